@@ -1,0 +1,1 @@
+"""Ray actors (thin shells over ``prorl_async`` objects) and the driver that wires them."""

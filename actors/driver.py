@@ -1,0 +1,380 @@
+"""The driver: wires the actors and runs generate -> grade -> buffer -> train -> broadcast.
+
+Long-lived actors do the work; this loop only decides *when*. Rollout and training overlap
+under a staleness bound kept by **admission control** (AReaL): a generator whose weights are
+version ``v`` may start a request for ``k`` prompts only while
+
+    consumed + live + k <= (v + max_staleness + 1) * prompts_per_step
+
+where ``consumed`` counts groups handed to the learner and ``live`` counts groups in flight
+or waiting in the buffer. Groups are trained oldest-first, so everything admitted under
+this rule is trained at a learner version at most ``v + max_staleness``; the buffer checks
+it again when it hands a batch out. ``max_staleness=0`` is the synchronous, strictly
+on-policy baseline through the same code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import secrets
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import ray
+
+from prorl_async.config import Config, config_to_dict, save_config
+from prorl_async.data.datasets import load_rows
+from prorl_async.data.source import PromptSource
+from prorl_async.models import resolve_model_path
+from prorl_async.tracking import Tracker, progress_line
+
+from actors.generator import GeneratorActor
+from actors.grader import GraderActor
+from actors.learner import LearnerActor
+from actors.replay_buffer import ReplayBufferActor
+
+log = logging.getLogger("prorl_async")
+
+
+class RunError(RuntimeError):
+    """A run that cannot go on; the message says why."""
+
+
+# ---------------------------------------------------------------------------- cluster
+def init_ray(cfg: Config) -> bool:
+    """Join the configured / job cluster, or start a local one. Returns True if started here.
+
+    Ray 2.60 turns token authentication on for new local clusters and would write a token to
+    ``~/.ray/auth_token``. A local cluster started here keeps auth on but passes a fresh
+    token through the environment only (``RAY_AUTH_TOKEN``), so nothing is written outside
+    the run's directories; ``RAY_AUTH_MODE=disabled`` opts out. Joining an existing cluster
+    uses whatever token the environment or ``~/.ray/auth_token`` provides.
+    """
+    if ray.is_initialized():
+        return False
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING)
+        return False
+    if os.environ.get("RAY_AUTH_MODE") is None:
+        os.environ["RAY_AUTH_MODE"] = "token"
+        default_token = Path.home() / ".ray" / "auth_token"
+        if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or default_token.exists()):
+            os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+        from ray._raylet import Config as _RayConfig  # Ray caches the auth mode at import time
+        _RayConfig.initialize("")
+    ray.init(num_cpus=cfg.ray.num_cpus or None, include_dashboard=False, logging_level=logging.WARNING,
+             configure_logging=True, log_to_driver=True)
+    return True
+
+
+@dataclass
+class Actors:
+    generators: list
+    grader: object
+    buffer: object
+    learner: object
+
+    @classmethod
+    def start(cls, cfg: Config, model_path: str) -> "Actors":
+        r, t = cfg.rollout, cfg.train
+        learner = LearnerActor.options(num_cpus=t.learner_num_cpus, num_gpus=t.learner_num_gpus,
+                                       max_restarts=0).remote(cfg, model_path)
+        gens = [GeneratorActor.options(num_cpus=r.generator_num_cpus, num_gpus=r.generator_num_gpus,
+                                       max_restarts=0).remote(cfg, model_path, i)
+                for i in range(r.num_generators)]
+        grader = GraderActor.options(num_cpus=0).remote(cfg)
+        buffer = ReplayBufferActor.options(num_cpus=0).remote(t.max_staleness, cfg.algo.dynamic_sampling)
+        ray.get([g.ready.remote() for g in gens] + [grader.ready.remote()], timeout=600)
+        backend = cfg.ray.weight_sync_backend
+        if backend == "auto":
+            backend = "nccl" if r.generator_num_gpus > 0 and t.learner_num_gpus > 0 else "gloo"
+        host, port = ray.get(learner.sync_address.remote(), timeout=600)
+        world = 1 + len(gens)
+        ray.get([learner.init_weight_sync.remote(host, port, world, backend)]
+                + [g.init_weight_sync.remote(host, port, i + 1, world, backend) for i, g in enumerate(gens)],
+                timeout=t.sync_timeout_s)
+        return cls(gens, grader, buffer, learner)
+
+    def all(self) -> list:
+        return [*self.generators, self.grader, self.buffer, self.learner]
+
+
+# ---------------------------------------------------------------------------- evaluation
+def evaluate(cfg: Config, actors: Actors, rows: list[dict], step: int, tracker: Tracker,
+             greedy: bool = False) -> dict:
+    """Held-out pass@1 (mean over samples) and pass@k, overall and per domain."""
+    n = 1 if greedy else cfg.train.eval_samples
+    chunk = cfg.rollout.prompts_per_request
+    refs = []
+    for i in range(0, len(rows), chunk):
+        part = rows[i:i + chunk]
+        gen = actors.generators[(i // chunk) % len(actors.generators)]
+        seed = cfg.train.seed * 1_000_003 + 7919 * i + 17  # same seeds at every evaluation
+        refs.append(actors.grader.grade.remote(part, gen.generate.remote(part, n, seed, greedy)))
+    batches = ray.get(refs)
+    per_prompt: dict[str, list[float]] = defaultdict(list)
+    domain_of: dict[str, str] = {}
+    samples = []
+    for b in batches:
+        d = b.to_pydict()
+        for pid, dom, rew, valid, text in zip(d["prompt_id"], d["domain"], d["raw_reward"],
+                                               d["reward_valid"], d["response_text"]):
+            per_prompt[pid].append(1.0 if valid and rew >= 1.0 - 1e-6 else 0.0)
+            domain_of[pid] = dom
+            if len(samples) < cfg.tracking.log_samples:
+                samples.append(f"[{dom}] reward={rew:.2f} :: {text}")
+    prefix = "val/greedy" if greedy else "val"
+    out = {}
+    groups = {"all": list(per_prompt)}
+    for pid, dom in domain_of.items():
+        groups.setdefault(dom, []).append(pid)
+    for dom, pids in groups.items():
+        p1 = sum(sum(per_prompt[p]) / len(per_prompt[p]) for p in pids) / len(pids)
+        pk = sum(max(per_prompt[p]) for p in pids) / len(pids)
+        key = "" if dom == "all" else f"/{dom}"
+        out[f"{prefix}/pass@1{key}"] = p1
+        if not greedy:
+            out[f"{prefix}/pass@{n}{key}"] = pk
+    tracker.track(out, step, {"split": "eval"})
+    if samples and not greedy:
+        tracker.text("val/samples", samples, step, {"split": "eval"})
+    return out
+
+
+# ---------------------------------------------------------------------------- the loop
+@dataclass
+class LoopState:
+    version: int = 0          # learner policy version = learner steps done
+    consumed: int = 0         # groups handed to the learner
+    live: int = 0             # groups in flight or waiting in the buffer
+    buffered: int = 0         # informative groups waiting in the buffer
+    requests: int = 0
+    gen_version: list = field(default_factory=list)
+    gen_busy: list = field(default_factory=list)
+    gen_busy_s: list = field(default_factory=list)
+    gen_started: list = field(default_factory=list)
+    training: Optional[object] = None
+    train_busy_s: float = 0.0
+    sync_pending: int = 0
+    window: dict = field(default_factory=lambda: defaultdict(float))  # rollout stats since last step
+
+
+class TrainingLoop:
+    def __init__(self, cfg: Config, actors: Actors, source: PromptSource, tracker: Tracker,
+                 eval_rows: list[dict]):
+        self.cfg, self.actors, self.source, self.tracker, self.eval_rows = cfg, actors, source, tracker, eval_rows
+        g = len(actors.generators)
+        self.s = LoopState(gen_version=[0] * g, gen_busy=[False] * g, gen_busy_s=[0.0] * g, gen_started=[0.0] * g)
+        self.pending: dict = {}   # ObjectRef -> (handler, args)
+        self.history: list[dict] = []
+        self.t_start = time.time()
+        self.t_last_step = self.t_start
+        self.last_progress = time.time()
+
+    # ------------------------------------------------------------ dispatch
+    def _dispatch_generation(self) -> None:
+        cfg, s = self.cfg, self.s
+        G, slack = cfg.train.prompts_per_step, cfg.train.max_staleness
+        for i, gen in enumerate(self.actors.generators):
+            if s.gen_busy[i]:
+                continue
+            budget = (s.gen_version[i] + slack + 1) * G - s.consumed - s.live
+            if budget < 1:
+                continue
+            k = min(cfg.rollout.prompts_per_request, budget)
+            rows = self.source.next(k)
+            seed = cfg.rollout.seed * 1_000_003 + s.requests
+            s.requests += 1
+            gen_ref = gen.generate.remote(rows, cfg.rollout.n, seed)
+            put_ref = self.actors.buffer.put.remote(self.actors.grader.grade.remote(rows, gen_ref))
+            s.live += k
+            s.gen_busy[i], s.gen_started[i] = True, time.time()
+            self.pending[gen_ref] = (self._on_generated, (i,))
+            self.pending[put_ref] = (self._on_buffered, (k,))
+
+    def _dispatch_training(self) -> None:
+        s, G = self.s, self.cfg.train.prompts_per_step
+        if s.training is not None or s.buffered < G:
+            return
+        info = ray.get(self.actors.buffer.take.remote(s.version, G))
+        s.buffered -= info["taken"] + info["stale_dropped"]
+        s.live -= info["taken"] + info["stale_dropped"]
+        if info["table"] is None:
+            return
+        s.consumed += info["taken"]
+        s.training = self.actors.learner.train_step.remote(info["table"], s.version)
+        self._train_started = time.time()
+        self.pending[s.training] = (self._on_trained, ())
+
+    # ------------------------------------------------------------ completions
+    def _on_generated(self, i: int, _ref) -> None:
+        self.s.gen_busy[i] = False
+        self.s.gen_busy_s[i] += time.time() - self.s.gen_started[i]
+
+    def _on_buffered(self, k: int, ref) -> None:
+        info = ray.get(ref)
+        s, w = self.s, self.s.window
+        s.live -= info["dropped"]
+        s.buffered += info["kept"]
+        for key, v in info["stats"].items():
+            w[key] += v
+        n = max(info["stats"]["samples"], 1)
+        if info["invalid_samples"] / n > self.cfg.reward.max_invalid_frac:
+            raise RunError(f"{info['invalid_samples']} of {n} samples in one request could not be graded "
+                           f"(reward.max_invalid_frac={self.cfg.reward.max_invalid_frac}); reasons: {info['invalid_reasons']}")
+
+    def _on_trained(self, _ref) -> None:
+        metrics = ray.get(_ref)
+        s, cfg = self.s, self.cfg
+        s.training = None
+        s.train_busy_s += time.time() - self._train_started
+        s.version += 1
+        # weights out to every generator (they apply them at their next request boundary)
+        sync_ref = self.actors.learner.broadcast_weights.remote()
+        self.pending[sync_ref] = (self._on_sync_sent, ())
+        for i, gen in enumerate(self.actors.generators):
+            s.sync_pending += 1
+            self.pending[gen.receive_weights.remote()] = (self._on_sync_received, (i,))
+        self._log_step(metrics)
+
+    def _on_sync_sent(self, ref) -> None:
+        self._last_sync = ray.get(ref)
+
+    def _on_sync_received(self, i: int, ref) -> None:
+        info = ray.get(ref)
+        self.s.gen_version[i] = info["version"]
+        self.s.sync_pending -= 1
+
+    # ------------------------------------------------------------ metrics
+    def _log_step(self, m: dict) -> None:
+        s, w, now = self.s, self.s.window, time.time()
+        dt = max(now - self.t_last_step, 1e-9)
+        self.t_last_step = now
+        samples = max(w["samples"], 1.0)
+        m.update({
+            "reward/mean": w["reward_sum"] / max(w["valid"], 1.0),
+            "reward/accuracy": w["correct"] / max(w["valid"], 1.0),
+            "reward/invalid": w["samples"] - w["valid"],
+            "len/generated_mean": w["response_tokens"] / samples,
+            "perf/gen_tok_s": w["response_tokens"] / dt,
+            "perf/samples_s": w["samples"] / dt,
+            "perf/step_s": dt,
+        })
+        for key, v in list(w.items()):
+            if key.startswith("domain_valid/"):
+                dom = key.split("/", 1)[1]
+                self.tracker.track({"reward/accuracy": w[f"domain_correct/{dom}"] / max(v, 1.0),
+                                    "reward/mean": w[f"domain_reward/{dom}"] / max(v, 1.0)}, s.version, {"domain": dom})
+        elapsed = max(now - self.t_start, 1e-9)
+        m["async/learner_idle_frac"] = 1.0 - s.train_busy_s / elapsed
+        m["async/generator_idle_frac"] = 1.0 - sum(s.gen_busy_s) / (elapsed * len(s.gen_busy_s))
+        sync = getattr(self, "_last_sync", None) or {}
+        m.update(sync)
+        m.update(ray.get(self.actors.buffer.metrics.remote()))
+        s.window = defaultdict(float)
+        self.tracker.track(m, s.version)
+        self.history.append({"step": s.version, "time": now - self.t_start, **m})
+        print(progress_line(s.version, self.cfg.train.total_steps, m, self.t_start), flush=True)
+        self.last_progress = now
+
+    # ------------------------------------------------------------ run
+    def _eval_due(self) -> bool:
+        v, every = self.s.version, self.cfg.train.eval_interval
+        return bool(every) and 0 < v < self.cfg.train.total_steps and v % every == 0 and self._last_eval != v
+
+    def _handle_ready(self, timeout: float) -> None:
+        ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=timeout)
+        for ref in ready:
+            handler, args = self.pending.pop(ref)
+            handler(*args, ref)
+            self.last_progress = time.time()
+
+    def run(self) -> list[dict]:
+        cfg, s = self.cfg, self.s
+        while s.version < cfg.train.total_steps or s.training is not None:
+            if self._eval_due():  # pause new rollouts; evaluate once generators hold the new weights
+                if not any(s.gen_busy) and s.sync_pending == 0:
+                    evaluate(cfg, self.actors, self.eval_rows, s.version, self.tracker)
+                    self._last_eval = s.version
+            elif s.version < cfg.train.total_steps:
+                self._dispatch_generation()
+            if s.version + (s.training is not None) < cfg.train.total_steps:
+                self._dispatch_training()
+            self._handle_ready(timeout=1.0)
+            if time.time() - self.last_progress > cfg.train.batch_timeout_s:
+                raise RunError(f"no progress for {cfg.train.batch_timeout_s:.0f}s (train.batch_timeout_s); "
+                               f"{len(self.pending)} calls pending, buffer holds {s.buffered} groups")
+        while self.pending:  # in-flight rollouts and the last weight sync land before the final evaluation
+            self._handle_ready(timeout=cfg.train.sync_timeout_s)
+        return self.history
+
+    _last_eval = -1
+
+
+# ---------------------------------------------------------------------------- entry point
+def prepare_run_dir(cfg: Config) -> Path:
+    run_dir = Path(cfg.run_dir or Path("runs") / f"{cfg.tracking.run_name or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def format_table(before: dict, after: dict) -> str:
+    keys = [k for k in before if k in after]
+    lines = [f"{'held-out metric':<28}{'before':>10}{'after':>10}{'change':>10}"]
+    for k in keys:
+        lines.append(f"{k:<28}{before[k]:>10.3f}{after[k]:>10.3f}{after[k] - before[k]:>+10.3f}")
+    return "\n".join(lines)
+
+
+def run(cfg: Config) -> dict:
+    t0 = time.time()
+    run_dir = prepare_run_dir(cfg)
+    save_config(cfg, run_dir / "config.yaml")
+    print(f"run directory: {run_dir}", flush=True)
+    model_path = resolve_model_path(cfg.model, seed=cfg.train.seed)
+    train_rows = load_rows(cfg.data.train, strict=cfg.data.strict)
+    eval_rows = load_rows(cfg.data.eval, strict=cfg.data.strict)
+    source = PromptSource(train_rows, seed=cfg.data.shuffle_seed)
+    started = init_ray(cfg)
+    tracker = None
+    actors = None
+    try:
+        tracker = Tracker(cfg.tracking.aim_repo, cfg.tracking.experiment, cfg.tracking.run_name or run_dir.name,
+                          config_to_dict(cfg), enabled=cfg.tracking.enabled)
+        actors = Actors.start(cfg, model_path)
+        before = {**evaluate(cfg, actors, eval_rows, 0, tracker),
+                  **evaluate(cfg, actors, eval_rows, 0, tracker, greedy=True)}
+        loop = TrainingLoop(cfg, actors, source, tracker, eval_rows)
+        history = loop.run()
+        steps = loop.s.version
+        after = {**evaluate(cfg, actors, eval_rows, steps, tracker),
+                 **evaluate(cfg, actors, eval_rows, steps, tracker, greedy=True)}
+        ray.get(actors.learner.save_model.remote(str((run_dir / "final").resolve())))
+        summary = {"run_dir": str(run_dir), "aim_run_hash": tracker.hash, "steps": steps,
+                   "wall_time_s": time.time() - t0, "before": before, "after": after,
+                   "max_trained_staleness": max((h.get("async/trained_staleness_max", 0) for h in history), default=0),
+                   "final_metrics": history[-1] if history else {}}
+        tracker.set("summary", {k: v for k, v in summary.items() if k != "final_metrics"})
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        (run_dir / "history.jsonl").write_text("\n".join(json.dumps(h) for h in history) + "\n")
+        print(format_table(before, after), flush=True)
+        print(f"done: {steps} steps in {summary['wall_time_s']:.0f}s; run dir {run_dir}", flush=True)
+        return summary
+    finally:
+        if tracker is not None:
+            tracker.close()
+        if actors is not None:
+            for a in actors.all():
+                try:
+                    ray.kill(a)
+                except Exception:
+                    pass
+        if started:
+            ray.shutdown()

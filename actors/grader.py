@@ -1,0 +1,45 @@
+"""Grader actor: scores a generated RecordBatch with the domain verifiers.
+
+A shell over :class:`prorl_async.rewards.pool.GraderPool` (worker processes, per-sample
+time limits enforced by killing). A grading failure marks the sample invalid with its
+reason; it is never scored as a wrong answer.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import ray
+
+from prorl_async.data.schema import with_columns
+from prorl_async.rewards.pool import GraderPool
+
+
+@ray.remote
+class GraderActor:
+    def __init__(self, cfg):
+        rc = cfg.reward
+        self.pool = GraderPool(num_workers=rc.num_workers, timeout_s=rc.timeout_s,
+                               extra_modules=tuple(rc.extra_modules),
+                               options={"code_mode": rc.code_mode, "instruction_mode": rc.instruction_mode})
+
+    def ready(self) -> bool:
+        return True
+
+    def grade(self, rows: list[dict], batch):
+        by_id = {str(r["id"]): r for r in rows}
+        texts = batch.column("response_text").to_pylist()
+        ids = batch.column("prompt_id").to_pylist()
+        t0 = time.perf_counter()
+        grades = self.pool.grade_many([by_id[i] for i in ids], texts)
+        dt = (time.perf_counter() - t0) / max(1, len(grades))
+        raw = [g.reward if g.valid and math.isfinite(g.reward) else 0.0 for g in grades]
+        return with_columns(batch, raw_reward=raw, reward=raw, reward_valid=[g.valid for g in grades],
+                            grade_time_s=[dt] * len(grades), grade_reason=[g.reason for g in grades])
+
+    def metrics(self) -> dict:
+        return self.pool.metrics()
+
+    def close(self) -> None:
+        self.pool.close()

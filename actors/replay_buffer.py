@@ -1,0 +1,30 @@
+"""Replay-buffer actor: holds graded groups (Arrow, in the object store) for the learner."""
+
+from __future__ import annotations
+
+import ray
+
+from prorl_async.buffer import ReplayBuffer
+
+
+@ray.remote
+class ReplayBufferActor:
+    def __init__(self, max_staleness: int, dynamic_sampling: bool):
+        self.buffer = ReplayBuffer(max_staleness, dynamic_sampling)
+
+    def put(self, batch) -> dict:
+        return self.buffer.put(batch)
+
+    def take(self, learner_version: int, num_groups: int) -> dict:
+        table, info = self.buffer.take(learner_version, num_groups)
+        info["table"] = ray.put(table) if table is not None else None
+        return info
+
+    def metrics(self) -> dict:
+        return self.buffer.metrics()
+
+    def unconsumed(self):
+        return self.buffer.unconsumed()
+
+    def restore(self, table) -> None:
+        self.buffer.restore(table)

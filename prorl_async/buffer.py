@@ -1,0 +1,125 @@
+"""Replay-buffer logic (pure; the Ray actor in ``actors/replay_buffer.py`` is a shell over it).
+
+Graded rollout batches arrive as Arrow RecordBatches. The buffer splits them into groups
+(the n samples of one prompt in one request), drops invalid samples (grader failures are
+masked, never scored 0), drops groups left with fewer than two valid samples, and with
+dynamic sampling (DAPO) drops groups whose valid rewards are all equal. Kept groups wait in
+FIFO order of policy version. ``take(learner_version, k)`` hands out the ``k`` oldest groups
+whose version satisfies ``learner_version - policy_version <= max_staleness`` — the hard
+guarantee behind the driver's admission control; a group that is already too old is dropped
+and counted (``async/stale_dropped``; admission control keeps this at zero in normal runs).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import Counter
+from typing import Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from prorl_async.data.schema import ROLLOUT_SCHEMA
+
+
+def rollout_stats(batch: pa.RecordBatch) -> dict[str, float]:
+    """Sums over one graded request (the driver adds them up between learner steps)."""
+    d = batch.select(["domain", "raw_reward", "reward_valid", "response_ids"]).to_pydict()
+    out: Counter = Counter()
+    for dom, r, ok, ids in zip(d["domain"], d["raw_reward"], d["reward_valid"], d["response_ids"]):
+        out["samples"] += 1
+        out["response_tokens"] += len(ids)
+        if ok:
+            correct = float(r >= 1.0 - 1e-6)
+            out["valid"] += 1
+            out["reward_sum"] += r
+            out["correct"] += correct
+            out[f"domain_valid/{dom}"] += 1
+            out[f"domain_correct/{dom}"] += correct
+            out[f"domain_reward/{dom}"] += r
+    return {k: float(v) for k, v in out.items()}
+
+
+class ReplayBuffer:
+    def __init__(self, max_staleness: int, dynamic_sampling: bool = True):
+        self.max_staleness = max_staleness
+        self.dynamic_sampling = dynamic_sampling
+        self._heap: list[tuple[int, int, pa.RecordBatch]] = []  # (version, seq, group rows)
+        self._seq = itertools.count()
+        self.counters: Counter = Counter()
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def put(self, batch: pa.RecordBatch) -> dict:
+        """Add one graded request; returns what was kept and dropped."""
+        if batch.schema != ROLLOUT_SCHEMA:
+            raise ValueError("replay buffer: batch does not have the rollout schema "
+                             f"(got columns {batch.schema.names})")
+        kept = dropped = invalid = 0
+        keys = pc.binary_join_element_wise(batch.column("request_id"), batch.column("prompt_id"), "/")
+        keys_np = np.asarray(keys.to_pylist(), dtype=object)
+        valid = np.asarray(batch.column("reward_valid").to_pylist(), dtype=bool)
+        raw = np.asarray(batch.column("raw_reward").to_numpy(zero_copy_only=False), dtype=np.float64)
+        versions = batch.column("policy_version").to_numpy()
+        self.counters["samples_in"] += batch.num_rows
+        invalid = int((~valid).sum())
+        self.counters["samples_invalid"] += invalid
+        for key in dict.fromkeys(keys_np):  # groups in arrival order
+            idx = np.nonzero(keys_np == key)[0]
+            good = idx[valid[idx]]
+            self.counters["groups_in"] += 1
+            if len(good) < 2:
+                self.counters["groups_dropped_invalid"] += 1
+                dropped += 1
+                continue
+            r = raw[good]
+            if self.dynamic_sampling and float(r.max() - r.min()) <= 1e-6:
+                self.counters["groups_dropped_all_correct" if r.max() > 0 else "groups_dropped_all_wrong"] += 1
+                dropped += 1
+                continue
+            rows = batch.take(pa.array(good))
+            heapq.heappush(self._heap, (int(versions[good].min()), next(self._seq), rows))
+            self.counters["groups_kept"] += 1
+            kept += 1
+        return {"kept": kept, "dropped": dropped, "invalid_samples": invalid, "size": len(self._heap),
+                "invalid_reasons": dict(Counter(np.asarray(batch.column("grade_reason").to_pylist())[~valid].tolist())),
+                "stats": rollout_stats(batch)}
+
+    def take(self, learner_version: int, num_groups: int) -> tuple[Optional[pa.Table], dict]:
+        """The ``num_groups`` oldest admissible groups as one Table, or None if too few."""
+        stale = 0
+        while self._heap and learner_version - self._heap[0][0] > self.max_staleness:
+            heapq.heappop(self._heap)
+            stale += 1
+        self.counters["groups_stale_dropped"] += stale
+        if len(self._heap) < num_groups:
+            return None, {"stale_dropped": stale, "taken": 0, "size": len(self._heap)}
+        groups = [heapq.heappop(self._heap) for _ in range(num_groups)]
+        table = pa.Table.from_batches([g[2] for g in groups], schema=ROLLOUT_SCHEMA)
+        self.counters["groups_taken"] += num_groups
+        return table, {"stale_dropped": stale, "taken": num_groups, "size": len(self._heap)}
+
+    def unconsumed(self) -> pa.Table:
+        """Everything still waiting (for checkpoints and Parquet spills), oldest first."""
+        return pa.Table.from_batches([g[2] for g in sorted(self._heap)], schema=ROLLOUT_SCHEMA)
+
+    def restore(self, table: pa.Table) -> None:
+        for batch in table.to_batches():
+            self.put(batch)
+
+    def metrics(self) -> dict[str, float]:
+        c = self.counters
+        seen = max(c["groups_in"], 1)
+        return {
+            "async/buffer_groups": float(len(self._heap)),
+            "sampling/groups_kept": float(c["groups_kept"]),
+            "sampling/groups_dropped_all_correct": float(c["groups_dropped_all_correct"]),
+            "sampling/groups_dropped_all_wrong": float(c["groups_dropped_all_wrong"]),
+            "sampling/groups_dropped_invalid": float(c["groups_dropped_invalid"]),
+            "sampling/kept_frac": c["groups_kept"] / seen,
+            "async/stale_dropped": float(c["groups_stale_dropped"]),
+            "reward/invalid_samples": float(c["samples_invalid"]),
+        }

@@ -1,0 +1,69 @@
+"""``prorl-async``: train | eval | compare | config.
+
+    prorl-async train                                   # the embedded default (tiny CPU run)
+    prorl-async train --config configs/x.yaml algo.clip_eps_high=0.28 rollout.n=8
+    prorl-async config [--config X] [overrides]         # print the resolved config / field docs
+
+Errors a user can fix (a bad config value, a missing file, a malformed dataset) are printed
+as one ``error:`` line and exit with status 2, never as a traceback from inside Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from prorl_async.config import ConfigError, config_to_dict, describe, load_config
+
+
+def _train(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    from actors.driver import run  # Ray is imported only when a run starts
+
+    summary = run(cfg)
+    return 0 if summary else 1
+
+
+def _config(args) -> int:
+    import yaml
+
+    if args.docs:
+        print("\n".join(describe()))
+        return 0
+    cfg = load_config(args.config, args.overrides)
+    print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="prorl-async", description="ProRL v2 asynchronous RL on Ray")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="run training (default: the embedded tiny CPU run)")
+    t.add_argument("--config", help="YAML config file (see configs/)")
+    t.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. rollout.n=8")
+    t.set_defaults(fn=_train)
+    c = sub.add_parser("config", help="print the resolved config, or --docs for every field")
+    c.add_argument("--config")
+    c.add_argument("--docs", action="store_true", help="list every field with its default and doc")
+    c.add_argument("overrides", nargs="*")
+    c.set_defaults(fn=_config)
+    return p
+
+
+USER_ERRORS = (ConfigError, FileNotFoundError, ValueError)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; actors shut down", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

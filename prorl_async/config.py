@@ -1,0 +1,330 @@
+"""Run configuration: frozen, documented dataclasses, YAML files and dotted overrides.
+
+Every field carries a one-line doc (``metadata["doc"]``); ``prorl-async train --help-config``
+prints them. ``load_config`` builds a :class:`Config` from an optional YAML file plus
+``section.field=value`` overrides and validates it, raising :class:`ConfigError` with a
+message that names the field and the fix. The resolved config is written to every run
+directory (``config.yaml``) and checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the field and the fix."""
+
+
+def _f(default: Any, doc: str):
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = _f("builtin:tiny-arith", "HF model folder, or builtin:tiny-arith (a small Llama the project builds and warms up itself)")
+    dtype: str = _f("float32", "parameter dtype of the policy: float32 or bfloat16")
+    autocast_bf16: bool = _f(True, "run forward/backward under bf16 autocast where the CPU/GPU supports it")
+    cache_dir: str = _f("", "where built-in models are cached (default: $PRORL_ASYNC_CACHE or ~/.cache/prorl-async)")
+    warmup_steps: int = _f(300, "supervised warm-up steps for the built-in model (0 = untrained)")
+    warmup_lr: float = _f(3e-3, "learning rate of the built-in model's supervised warm-up")
+    hidden_size: int = _f(128, "built-in model width")
+    num_layers: int = _f(2, "built-in model depth")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train: str = _f("builtin:arithmetic?n=4000&seed=1&split=train", "training prompts: JSONL/Parquet path or builtin:<name>?n=&seed=&split=")
+    eval: str = _f("builtin:arithmetic?n=200&seed=2&split=eval", "held-out prompts for evaluation (same formats)")
+    strict: bool = _f(False, "abort on the first malformed dataset row instead of skipping it")
+    shuffle_seed: int = _f(0, "seed of the per-epoch prompt shuffle")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: str = _f("hf", "generation engine: hf (transformers) or vllm")
+    num_generators: int = _f(1, "generator actors")
+    n: int = _f(8, "samples per prompt (group size)")
+    temperature: float = _f(1.0, "sampling temperature")
+    top_p: float = _f(1.0, "nucleus sampling threshold")
+    max_new_tokens: int = _f(8, "maximum response length Lmax in tokens")
+    prompts_per_request: int = _f(16, "prompts in one generation request (a request is the unit of admission control)")
+    generator_num_cpus: float = _f(1.0, "CPUs Ray reserves per generator")
+    generator_num_gpus: float = _f(0.0, "GPUs Ray reserves per generator")
+    seed: int = _f(0, "base seed of the generators' samplers")
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    advantage: str = _f("reinforce_pp_baseline", "advantage estimator: reinforce_pp_baseline, grpo or rloo")
+    clip_eps_low: float = _f(0.2, "PPO clip range below 1 (1 - eps_low)")
+    clip_eps_high: float = _f(0.27, "PPO clip range above 1 (Clip-Higher, 1 + eps_high)")
+    is_mode: str = _f("tis", "behaviour-policy importance correction: tis, icepop or none")
+    is_low: float = _f(0.0, "lower bound of the importance weight")
+    is_high: float = _f(2.0, "upper bound of the importance weight")
+    kl_coef: float = _f(1e-4, "weight of the KL penalty to the reference policy in the loss (0 disables it)")
+    kl_kind: str = _f("k2", "KL estimator: k1, k2 or k3")
+    entropy_coef: float = _f(0.0, "entropy bonus weight (0 disables it)")
+    dynamic_sampling: bool = _f(True, "drop groups whose rewards are all equal and keep sampling")
+    length_penalty: bool = _f(False, "scheduled cosine length reward (Yeo et al. 2025) for gradable samples")
+    length_on_steps: int = _f(50, "steps the length penalty stays on per cycle")
+    length_off_steps: int = _f(50, "steps the length penalty stays off per cycle")
+    length_start_step: int = _f(0, "step at which the length schedule starts")
+    overlong: str = _f("none", "truncated responses: none, filter (loss-masked) or soft (DAPO punishment)")
+    overlong_buffer: int = _f(4, "soft overlong buffer zone in tokens before Lmax")
+    overlong_factor: float = _f(1.0, "soft overlong maximum punishment")
+    ref_reset_interval: int = _f(0, "reset the reference policy every N steps (0 = never)")
+    ref_kl_spike_factor: float = _f(0.0, "reset on KL above this factor times the recent mean (0 = off)")
+    ref_kl_window: int = _f(10, "number of recent KL values the spike test compares against")
+    ref_val_patience: int = _f(0, "reset after this many evaluations without a new best (0 = off)")
+    ref_reset_optimizer: bool = _f(True, "clear optimizer state at a reference reset")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    total_steps: int = _f(60, "learner steps (policy versions) to run")
+    prompts_per_step: int = _f(32, "groups (prompts) per learner step")
+    max_staleness: int = _f(1, "max policy versions between generation and training (0 = synchronous)")
+    lr: float = _f(2e-4, "AdamW learning rate")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    warmup_lr_steps: int = _f(0, "linear LR warm-up steps")
+    grad_clip: float = _f(1.0, "gradient norm clip")
+    mini_batches: int = _f(1, "optimizer steps per learner step (the batch is split into this many mini-batches)")
+    micro_batch_size: int = _f(256, "responses per forward/backward pass")
+    ppo_epochs: int = _f(1, "passes over each batch")
+    seed: int = _f(0, "seed of the learner and of python/numpy/torch RNGs")
+    eval_interval: int = _f(20, "evaluate on the held-out split every N steps (0 = only before/after)")
+    eval_samples: int = _f(4, "samples per held-out prompt for pass@1 (mean) and pass@k")
+    checkpoint_interval: int = _f(0, "checkpoint every N steps (0 = only at the end)")
+    keep_last: int = _f(2, "checkpoints kept")
+    learner_num_cpus: float = _f(1.0, "CPUs Ray reserves for the learner")
+    learner_num_gpus: float = _f(0.0, "GPUs Ray reserves for the learner")
+    num_threads: int = _f(1, "torch intra-op threads per actor")
+    batch_timeout_s: float = _f(600.0, "a learner step waiting longer than this for rollouts fails the run")
+    sync_timeout_s: float = _f(120.0, "weight broadcast timeout")
+    max_skipped_steps: int = _f(5, "consecutive non-finite steps before the run stops")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    num_workers: int = _f(1, "grader worker processes")
+    timeout_s: float = _f(10.0, "per-sample grading time limit (the worker is killed past it)")
+    extra_modules: list = _f([], "python modules imported in grader workers to register custom verifiers")
+    code_mode: str = _f("fraction", "code reward: fraction of tests passed, or all")
+    instruction_mode: str = _f("fraction", "instruction reward: fraction of constraints satisfied, or all")
+    max_invalid_frac: float = _f(0.5, "stop the run when more than this fraction of a batch is invalid")
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    aim_repo: str = _f("runs", "folder holding the Aim repo (.aim is created inside)")
+    experiment: str = _f("prorl-async", "Aim experiment name")
+    run_name: str = _f("", "run name (default: derived from the run dir)")
+    enabled: bool = _f(True, "write metrics to Aim")
+    log_samples: int = _f(4, "sampled eval responses logged as Aim Text at every evaluation")
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    address: str = _f("", "Ray cluster address; empty = join RAY_ADDRESS / a job's cluster, or start a local one")
+    num_cpus: int = _f(0, "CPUs of a locally started Ray (0 = all)")
+    weight_sync_backend: str = _f("auto", "torch.distributed backend of the weight-sync group: auto, gloo or nccl")
+    weight_sync_port: int = _f(0, "TCP port of the weight-sync store (0 = pick a free one)")
+
+
+@dataclass(frozen=True)
+class Config:
+    run_dir: str = _f("", "run directory (default: runs/<name>-<timestamp>)")
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"doc": "policy model"})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"doc": "datasets"})
+    rollout: RolloutConfig = field(default_factory=RolloutConfig, metadata={"doc": "generation"})
+    algo: AlgoConfig = field(default_factory=AlgoConfig, metadata={"doc": "learner math"})
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"doc": "learner loop"})
+    reward: RewardConfig = field(default_factory=RewardConfig, metadata={"doc": "grading"})
+    tracking: TrackingConfig = field(default_factory=TrackingConfig, metadata={"doc": "metrics"})
+    ray: RayConfig = field(default_factory=RayConfig, metadata={"doc": "cluster"})
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.train.prompts_per_step * self.rollout.n
+
+
+# ---------------------------------------------------------------- building and validating
+
+_SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+
+def _field_types(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(value: Any, typ: Any, where: str) -> Any:
+    """Check ``value`` against ``typ``; strings from the command line are parsed as YAML."""
+    if dataclasses.is_dataclass(typ):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping of {typ.__name__} fields, got {value!r}")
+        return _build(typ, value, where)
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        return None if value is None else _coerce(value, args[0], where)
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if typ is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    if typ is list or origin is list:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return list(value)
+    return value
+
+
+def _build(cls, values: dict, where: str = ""):
+    types_ = _field_types(cls)
+    unknown = sorted(set(values) - set(types_))
+    if unknown:
+        key = f"{where}.{unknown[0]}" if where else unknown[0]
+        raise ConfigError(f"unknown config key {key!r}; valid keys here: {', '.join(sorted(types_))}")
+    kwargs = {}
+    for name, value in values.items():
+        kwargs[name] = _coerce(value, types_[name], f"{where}.{name}" if where else name)
+    return cls(**kwargs)
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form section.field=value (e.g. rollout.n=8)")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def config_to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> Config:
+    """YAML file (optional) + dotted overrides -> validated :class:`Config`."""
+    data: dict = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {path!r} does not exist; pass an existing YAML file to --config")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path!r} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path!r} must hold a mapping of sections, got {type(data).__name__}")
+    for item in overrides or []:
+        keys, value = _parse_override(item)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {k!r} is not a section")
+        node[keys[-1]] = value
+    cfg = _build(Config, data)
+    validate(cfg)
+    return cfg
+
+
+def _require(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {msg}")
+
+
+def validate(cfg: Config) -> None:
+    """Start-up checks; each names the field and what would work."""
+    r, t, a = cfg.rollout, cfg.train, cfg.algo
+    _require(t.max_staleness >= 0, "train.max_staleness", f"must be >= 0 (0 = synchronous), got {t.max_staleness}")
+    _require(t.total_steps >= 1, "train.total_steps", f"must be >= 1, got {t.total_steps}")
+    _require(t.prompts_per_step >= 1, "train.prompts_per_step", f"must be >= 1, got {t.prompts_per_step}")
+    _require(r.n >= 1, "rollout.n", f"must be >= 1, got {r.n}")
+    _require(r.num_generators >= 1, "rollout.num_generators", f"must be >= 1, got {r.num_generators}")
+    _require(r.prompts_per_request >= 1, "rollout.prompts_per_request", f"must be >= 1, got {r.prompts_per_request}")
+    _require(r.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
+    _require(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
+    _require(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+    _require(r.engine in ("hf", "vllm"), "rollout.engine", f"must be hf or vllm, got {r.engine!r}")
+    _require(t.mini_batches >= 1 and t.prompts_per_step % t.mini_batches == 0, "train.mini_batches",
+             f"must divide train.prompts_per_step={t.prompts_per_step} (got {t.mini_batches}); pick a divisor")
+    _require(t.micro_batch_size >= 1, "train.micro_batch_size", f"must be >= 1, got {t.micro_batch_size}")
+    mini = cfg.samples_per_step // t.mini_batches
+    _require(mini % t.micro_batch_size == 0 or t.micro_batch_size >= mini, "train.micro_batch_size",
+             f"must divide the mini-batch of {mini} responses (prompts_per_step*n/mini_batches) or exceed it; got {t.micro_batch_size}")
+    _require(t.ppo_epochs >= 1, "train.ppo_epochs", f"must be >= 1, got {t.ppo_epochs}")
+    _require(a.advantage in ("reinforce_pp_baseline", "grpo", "rloo"), "algo.advantage",
+             f"must be reinforce_pp_baseline, grpo or rloo, got {a.advantage!r}")
+    _require(a.is_mode in ("tis", "icepop", "none"), "algo.is_mode", f"must be tis, icepop or none, got {a.is_mode!r}")
+    _require(a.kl_kind in ("k1", "k2", "k3"), "algo.kl_kind", f"must be k1, k2 or k3, got {a.kl_kind!r}")
+    _require(a.clip_eps_low >= 0 and a.clip_eps_high >= 0, "algo.clip_eps_low",
+             "clip ranges must be >= 0")
+    _require(a.is_low <= a.is_high, "algo.is_low", f"must be <= algo.is_high ({a.is_low} > {a.is_high})")
+    _require(a.overlong in ("none", "filter", "soft"), "algo.overlong", f"must be none, filter or soft, got {a.overlong!r}")
+    _require(a.kl_coef >= 0, "algo.kl_coef", f"must be >= 0, got {a.kl_coef}")
+    _require(cfg.model.dtype in ("float32", "bfloat16"), "model.dtype", f"must be float32 or bfloat16, got {cfg.model.dtype!r}")
+    _require(cfg.reward.num_workers >= 1, "reward.num_workers", f"must be >= 1, got {cfg.reward.num_workers}")
+    _require(cfg.reward.timeout_s > 0, "reward.timeout_s", f"must be > 0, got {cfg.reward.timeout_s}")
+    _require(0 < cfg.reward.max_invalid_frac <= 1, "reward.max_invalid_frac", "must be in (0, 1]")
+    _require(cfg.ray.weight_sync_backend in ("auto", "gloo", "nccl"), "ray.weight_sync_backend",
+             f"must be auto, gloo or nccl, got {cfg.ray.weight_sync_backend!r}")
+    _require(t.eval_samples >= 1, "train.eval_samples", f"must be >= 1, got {t.eval_samples}")
+
+
+def describe(cls=Config, prefix: str = "") -> list[str]:
+    """One line per field: ``section.field (type, default): doc``."""
+    lines = []
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory):
+            lines.extend(describe(f.default_factory, key + "."))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"{key} = {default!r}  # {f.metadata.get('doc', '')}")
+    return lines
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+
+
+def diff_configs(a: dict, b: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two config dicts."""
+    out = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out.extend(diff_configs(va, vb, f"{prefix}{k}."))
+        elif va != vb:
+            out.append(f"{prefix}{k}")
+    return out

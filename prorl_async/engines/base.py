@@ -1,0 +1,24 @@
+"""What every generation engine returns and accepts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    seed: int = 0
+    greedy: bool = False
+
+
+@dataclass
+class Completion:
+    """One sampled response. ``logprobs[i]`` is log pi_mu(token_ids[i]) under the sampling
+    distribution at the engine's temperature (the behaviour policy of the importance correction)."""
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"

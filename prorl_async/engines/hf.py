@@ -1,0 +1,72 @@
+"""transformers generation engine: batched sampling with behaviour logprobs.
+
+Samples with temperature and nucleus (top-p) filtering through ``model.generate`` and
+recovers each sampled token's log-probability from the raw logits as
+``log_softmax(logits / temperature)`` — the same quantity the learner recomputes, so the
+importance weight ``exp(logp_old - logp_mu)`` compares like with like (top-p truncation is
+not renormalised into the logprob, matching vLLM's processed-logprob convention when
+top_p = 1).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterable
+
+import torch
+
+from prorl_async.engines.base import Completion, SamplingSpec
+from prorl_async.models import load_model, load_tokenizer
+
+
+class HFEngine:
+    def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu", **_):
+        self.tokenizer = load_tokenizer(model_path)
+        self.model = load_model(model_path, dtype).to(device).eval()
+        self.device = device
+        self._lock = threading.Lock()  # weights change only between requests
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], spec: SamplingSpec) -> list[list[Completion]]:
+        tok = self.tokenizer
+        flat = [p for p in prompt_ids for _ in range(spec.n)]
+        width = max(map(len, flat))
+        pad = tok.pad_token_id
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in flat], device=self.device)
+        att = (ids != pad).long() if pad is not None else torch.ones_like(ids)
+        for i, p in enumerate(flat):  # a prompt may legitimately contain the pad id
+            att[i, width - len(p):] = 1
+        gen = torch.Generator(device="cpu").manual_seed(spec.seed)
+        with self._lock:
+            torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
+            out = self.model.generate(
+                input_ids=ids, attention_mask=att, max_new_tokens=spec.max_new_tokens,
+                do_sample=not spec.greedy, temperature=spec.temperature if not spec.greedy else None,
+                top_p=spec.top_p if not spec.greedy else None, top_k=0 if not spec.greedy else None,
+                pad_token_id=pad, eos_token_id=tok.eos_token_id,
+                output_logits=True, return_dict_in_generate=True)
+        seqs = out.sequences[:, width:]
+        logits = torch.stack(out.logits, dim=1).float()  # [B, L, V], raw model logits
+        temp = 1.0 if spec.greedy else spec.temperature
+        logp = torch.log_softmax(logits / temp, dim=-1).gather(-1, seqs[..., None]).squeeze(-1)
+        eos = tok.eos_token_id
+        completions: list[Completion] = []
+        for row, lp in zip(seqs.tolist(), logp.tolist()):
+            if eos in row:
+                end = row.index(eos) + 1
+                completions.append(Completion(row[:end], lp[:end], "stop"))
+            else:
+                completions.append(Completion(row, lp, "length"))
+        return [completions[i * spec.n:(i + 1) * spec.n] for i in range(len(prompt_ids))]
+
+    # ------------------------------------------------------------------ weights
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return list(self.model.named_parameters())
+
+    @torch.no_grad()
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.model.named_parameters())
+        with self._lock:
+            for name, t in tensors:
+                params[name].copy_(t)

@@ -1,0 +1,167 @@
+"""Versioned weight broadcast from learner rank 0 to every generator.
+
+A dedicated, *stateless* torch.distributed process group on its own TCP store (not the
+default world group, which the learner's data-parallel ranks may own): rank 0 is the
+learner, ranks 1..G are generators. The backend is a parameter — gloo on CPU, NCCL on GPU —
+and the code is the same. Every operation has a timeout, so a dead peer raises instead of
+hanging forever (LESSONS: raw NCCL broadcasts that never return).
+
+Protocol of one sync: rank 0 broadcasts a header ``[version, n_buckets, checksum_0, ...]``
+(float64), then each bucket, a flat buffer of same-dtype tensors packed in parameter order
+(one collective per bucket, not per parameter). A receiver unpacks into its own staging
+buffers, recomputes each checksum, and only then reports the new version; a mismatch raises
+:class:`WeightSyncError` and leaves the old weights in use.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from datetime import timedelta
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
+
+
+class WeightSyncError(RuntimeError):
+    pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def local_ip() -> str:
+    try:
+        import ray
+        return ray.util.get_node_ip_address()
+    except Exception:  # not inside Ray
+        return "127.0.0.1"
+
+
+def plan_buckets(shapes: Sequence[tuple[str, tuple, torch.dtype]], bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    """Group parameters (in order) into buckets of one dtype and at most ``bucket_bytes``."""
+    buckets: list[list[int]] = []
+    cur: list[int] = []
+    cur_bytes, cur_dtype = 0, None
+    for i, (_, shape, dtype) in enumerate(shapes):
+        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        if cur and (dtype != cur_dtype or cur_bytes + nbytes > bucket_bytes):
+            buckets.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append(i)
+        cur_bytes += nbytes
+        cur_dtype = dtype
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+def _checksum(flat: torch.Tensor) -> float:
+    x = flat.double()
+    idx = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device)
+    return float((x * torch.sin(idx)).sum())  # position-sensitive
+
+
+def tensor_checksum(tensors) -> float:
+    """Checksum over a list of tensors (used by tests to compare learner and generator)."""
+    return sum(_checksum(t.detach().reshape(-1)) for t in tensors)
+
+
+class WeightSyncGroup:
+    """One member of the weight-sync group. ``rank == 0`` sends, the others receive."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
+                 timeout_s: float = 120.0, group_name: str = "prorl-weight-sync",
+                 device: str = "cpu"):
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"weight sync backend must be gloo or nccl, got {backend!r}")
+        self.rank, self.world_size, self.backend, self.device = rank, world_size, backend, device
+        self.timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=self.timeout,
+                              wait_for_workers=False)
+        store = dist.PrefixStore(group_name, store)
+        self._store = store
+        if backend == "gloo":
+            self.pg = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
+        else:  # pragma: no cover - needs GPUs
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self.timeout
+            self.pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        self.last_seconds = 0.0
+        self.last_bytes = 0
+
+    def _bcast(self, t: torch.Tensor) -> None:
+        try:
+            work = self.pg.broadcast(t, 0, self.timeout)
+            ok = work.wait(self.timeout)
+        except RuntimeError as e:  # gloo raises on timeout or a peer that went away
+            raise WeightSyncError(f"weight broadcast failed (timeout {self.timeout}): {e}") from e
+        if not ok:
+            raise WeightSyncError(f"weight broadcast timed out after {self.timeout}")
+
+    # ------------------------------------------------------------------ sender
+    def send(self, named: Sequence[tuple[str, torch.Tensor]], version: int,
+             bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
+        assert self.rank == 0, "only rank 0 sends"
+        t0 = time.perf_counter()
+        shapes = [(n, tuple(t.shape), t.dtype) for n, t in named]
+        buckets = plan_buckets(shapes, bucket_bytes)
+        flats = [torch.cat([named[i][1].detach().reshape(-1) for i in b]).to(self.device) for b in buckets]
+        header = torch.tensor([float(version), float(len(flats))] + [_checksum(f) for f in flats],
+                              dtype=torch.float64, device=self.device)
+        size = torch.tensor([float(header.numel())], dtype=torch.float64, device=self.device)
+        self._bcast(size)
+        self._bcast(header)
+        for f in flats:
+            self._bcast(f)
+        self.last_seconds = time.perf_counter() - t0
+        self.last_bytes = sum(f.numel() * f.element_size() for f in flats)
+        return {"perf/sync_s": self.last_seconds, "perf/sync_gb": self.last_bytes / 1e9,
+                "perf/sync_gbps": self.last_bytes / 1e9 / max(self.last_seconds, 1e-9)}
+
+    # ------------------------------------------------------------------ receiver
+    def receive(self, shapes: Sequence[tuple[str, tuple, torch.dtype]],
+                bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+        """Receive one full set of weights; returns (version, [(name, tensor)]) after checks."""
+        assert self.rank != 0, "rank 0 sends"
+        t0 = time.perf_counter()
+        size = torch.zeros(1, dtype=torch.float64, device=self.device)
+        self._bcast(size)
+        header = torch.zeros(int(size.item()), dtype=torch.float64, device=self.device)
+        self._bcast(header)
+        version, n_buckets = int(header[0].item()), int(header[1].item())
+        buckets = plan_buckets(shapes, bucket_bytes)
+        if n_buckets != len(buckets):
+            raise WeightSyncError(f"sender has {n_buckets} weight buckets, this receiver expects {len(buckets)}: "
+                                  "learner and generator models differ")
+        out: list[tuple[str, torch.Tensor]] = []
+        for b, expected in zip(buckets, header[2:].tolist()):
+            numel = sum(int(torch.Size(shapes[i][1]).numel()) for i in b)
+            flat = torch.empty(numel, dtype=shapes[b[0]][2], device=self.device)
+            self._bcast(flat)
+            got = _checksum(flat)
+            if not (abs(got - expected) <= 1e-6 * max(1.0, abs(expected))):
+                raise WeightSyncError(f"weight bucket checksum mismatch ({got} != {expected}); update discarded")
+            offset = 0
+            for i in b:
+                name, shape, _ = shapes[i]
+                n = int(torch.Size(shape).numel())
+                out.append((name, flat[offset:offset + n].view(shape)))
+                offset += n
+        self.last_seconds = time.perf_counter() - t0
+        self.last_bytes = sum(t.numel() * t.element_size() for _, t in out)
+        return version, out
+
+    def close(self) -> None:
+        try:
+            if hasattr(self.pg, "shutdown"):
+                self.pg.shutdown()
+        except Exception:
+            pass
+        self.pg = None

@@ -1,0 +1,77 @@
+"""Metrics: Aim (one run per training run) and a compact console line per step.
+
+Metric names are namespaced as in DESIGN.md section 4 (``reward/*``, ``actor/*``, ``kl/*``,
+``is/*``, ``len/*``, ``sampling/*``, ``async/*``, ``perf/*``, ``ref/*``, ``val/*``); a name
+``family/metric@ctx=value`` is not used — per-domain and per-split values go in Aim's
+``context`` instead (``{"domain": "math"}``, ``{"split": "eval"}``).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+
+class Tracker:
+    def __init__(self, repo: str, experiment: str, run_name: str, hparams: dict, enabled: bool = True):
+        self.run = None
+        self.hash: Optional[str] = None
+        if enabled:
+            from aim import Run
+
+            Path(repo).mkdir(parents=True, exist_ok=True)
+            self.run = Run(repo=str(repo), experiment=experiment, log_system_params=False,
+                           capture_terminal_logs=False)
+            self.run.name = run_name
+            self.run["hparams"] = hparams
+            self.hash = self.run.hash
+
+    def track(self, metrics: dict, step: int, context: Optional[dict] = None) -> None:
+        if self.run is None:
+            return
+        for name, value in metrics.items():
+            if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if not math.isfinite(float(value)):
+                continue
+            self.run.track(float(value), name=name, step=step, context=context or {})
+
+    def text(self, name: str, texts: list[str], step: int, context: Optional[dict] = None) -> None:
+        if self.run is None:
+            return
+        from aim import Text
+
+        for i, t in enumerate(texts):
+            self.run.track(Text(t), name=name, step=step, context={**(context or {}), "index": i})
+
+    def set(self, key: str, value) -> None:
+        if self.run is not None:
+            self.run[key] = value
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.close()
+            self.run = None
+
+
+def progress_line(step: int, total: int, m: dict, t_start: float) -> str:
+    def g(k, fmt="{:.3f}"):
+        v = m.get(k)
+        return fmt.format(v) if isinstance(v, (int, float)) and math.isfinite(v) else "-"
+
+    return (f"step {step:>4}/{total}  reward {g('reward/mean')}  acc {g('reward/accuracy')}  "
+            f"kl {g('kl/loss_term', '{:.2e}')}  stale {g('async/trained_staleness_max', '{:.0f}')}  "
+            f"gen {g('perf/gen_tok_s', '{:.0f}')} tok/s  train {g('perf/train_tok_s', '{:.0f}')} tok/s  "
+            f"[{time.time() - t_start:.0f}s]")
+
+
+def bar(label: str, done: int, total: int, width: int = 30) -> None:
+    """A one-line progress bar for long phases (warm-up, evaluation)."""
+    frac = done / max(total, 1)
+    sys.stdout.write(f"\r{label} [{'#' * int(frac * width):<{width}}] {done}/{total}")
+    if done >= total:
+        sys.stdout.write("\n")
+    sys.stdout.flush()

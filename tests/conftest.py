@@ -1,0 +1,62 @@
+"""Shared fixtures: a real local Ray cluster owned by the test session.
+
+The cluster is started in-process with its own temp dir (Ray picks free ports), and
+``ray.shutdown()`` stops exactly the processes it started — never ``ray stop``, which would
+kill every Ray process on the machine. A fresh auth token lives only in this process's
+environment.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    tmp = tempfile.mkdtemp(prefix="prorl-ray-", dir="/tmp")
+    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=tmp, logging_level="WARNING",
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    yield ray
+    ray.shutdown()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory):
+    """A cache dir shared by the session so the built-in model is warmed up once."""
+    d = os.environ.get("PRORL_ASYNC_TEST_CACHE") or str(tmp_path_factory.mktemp("model-cache"))
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_model(model_cache):
+    """The built-in model with a short warm-up (partial accuracy), built once per session."""
+    from prorl_async.config import ModelConfig
+    from prorl_async.models import build_tiny_arith
+
+    return str(build_tiny_arith(ModelConfig(cache_dir=model_cache, warmup_steps=200), log=lambda *_: None))
+
+
+def cli(*args, cwd=None, env=None, timeout=600):
+    """Run the real console entry point in a subprocess."""
+    import subprocess
+
+    exe = Path(sys.executable).with_name("prorl-async")
+    full_env = {**os.environ, **(env or {})}
+    for k in ("RAY_ADDRESS",):
+        full_env.pop(k, None)
+    return subprocess.run([str(exe), *args], cwd=cwd, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
