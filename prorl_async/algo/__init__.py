@@ -1,0 +1,74 @@
+"""Pure learner math for ProRL v2 (Liu et al. 2025, arXiv 2505.24864; NVIDIA ProRL v2 blog, 2025).
+
+Functions over torch tensors only -- no Ray, vLLM or DeepSpeed imports -- so every formula
+can be unit-tested on CPU and read next to its paper. Each module's docstring cites its
+sources and lists where the code deviates from them:
+
+* :mod:`~prorl_async.algo.advantages` -- REINFORCE++-baseline with global-batch whitening
+  (Hu 2025), GRPO, RLOO;
+* :mod:`~prorl_async.algo.losses` -- decoupled, importance-corrected PPO-Clip with
+  Clip-Higher and token-level mean (PPO, DAPO, AReaL, TIS, IcePop), KL estimators k1/k2/k3,
+  entropy / logprobs from logits;
+* :mod:`~prorl_async.algo.shaping` -- scheduled cosine length reward (Yeo et al. 2025),
+  DAPO overlong filtering / soft punishment;
+* :mod:`~prorl_async.algo.sampling` -- DAPO dynamic sampling;
+* :mod:`~prorl_async.algo.reference` -- ProRL reference-policy resets.
+"""
+
+from .advantages import (
+    ADVANTAGE_ESTIMATORS,
+    advantage_metrics,
+    compute_advantages,
+    grpo,
+    reinforce_pp_baseline,
+    rloo,
+    whiten,
+    whitening_stats,
+)
+from .losses import (
+    IS_MODES,
+    KL_KINDS,
+    entropy_from_logits,
+    kl_penalty,
+    logprobs_from_logits,
+    masked_mean,
+    policy_loss,
+)
+from .reference import RESET_CAUSES, ReferenceResetPolicy
+from .sampling import DynamicSamplingCollector, informative_groups
+from .shaping import (
+    OVERLONG_MODES,
+    LengthPenaltySchedule,
+    cosine_length_reward,
+    filter_overlong,
+    shape_rewards,
+    soft_overlong_penalty,
+)
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "IS_MODES",
+    "KL_KINDS",
+    "OVERLONG_MODES",
+    "RESET_CAUSES",
+    "DynamicSamplingCollector",
+    "LengthPenaltySchedule",
+    "ReferenceResetPolicy",
+    "advantage_metrics",
+    "compute_advantages",
+    "cosine_length_reward",
+    "entropy_from_logits",
+    "filter_overlong",
+    "grpo",
+    "informative_groups",
+    "kl_penalty",
+    "logprobs_from_logits",
+    "masked_mean",
+    "policy_loss",
+    "reinforce_pp_baseline",
+    "rloo",
+    "shape_rewards",
+    "soft_overlong_penalty",
+    "whiten",
+    "whitening_stats",
+]
