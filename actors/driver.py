@@ -1,16 +1,11 @@
 """The driver: wires the actors and runs generate -> grade -> buffer -> train -> broadcast.
 
 Long-lived actors do the work; this loop only decides *when*. Rollout and training overlap
-under a staleness bound kept by **admission control** (AReaL): a generator whose weights are
-version ``v`` may start a request for ``k`` prompts only while
-
-    consumed + live + k <= (v + max_staleness + 1) * prompts_per_step
-
-where ``consumed`` counts groups handed to the learner and ``live`` counts groups in flight
-or waiting in the buffer. Groups are trained oldest-first, so everything admitted under
-this rule is trained at a learner version at most ``v + max_staleness``; the buffer checks
-it again when it hands a batch out. ``max_staleness=0`` is the synchronous, strictly
-on-policy baseline through the same code.
+under a staleness bound kept by admission control (:mod:`prorl_async.staleness`): a
+generator with weights of version ``v`` starts a request only while the groups consumed,
+live and requested fit into ``(v + max_staleness + 1) * prompts_per_step``; the buffer
+re-checks the bound when it hands a batch out. ``max_staleness=0`` is the synchronous,
+strictly on-policy baseline through the same code.
 """
 
 from __future__ import annotations
@@ -32,6 +27,7 @@ from prorl_async.config import Config, config_to_dict, save_config
 from prorl_async.data.datasets import load_rows
 from prorl_async.data.source import PromptSource
 from prorl_async.models import resolve_model_path
+from prorl_async.staleness import admission_budget
 from prorl_async.tracking import Tracker, progress_line
 
 from actors.generator import GeneratorActor
@@ -185,7 +181,7 @@ class TrainingLoop:
         for i, gen in enumerate(self.actors.generators):
             if s.gen_busy[i]:
                 continue
-            budget = (s.gen_version[i] + slack + 1) * G - s.consumed - s.live
+            budget = admission_budget(s.gen_version[i], slack, G, s.consumed, s.live)
             if budget < 1:
                 continue
             k = min(cfg.rollout.prompts_per_request, budget)

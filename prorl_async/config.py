@@ -191,6 +191,11 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
     if typ is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "5e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(f"{where}: expected a number, got {value!r}")
     if typ is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):

@@ -140,8 +140,8 @@ class TorchLearner:
             overlong_mode=a.overlong, overlong_buffer=a.overlong_buffer, overlong_factor=a.overlong_factor)
         keep = keep & b["valid"]
         mask = b["mask"] * keep[:, None].float()
-        rewards = torch.where(b["valid"], rewards, torch.zeros_like(rewards))
-        adv = compute_advantages(a.advantage, rewards, b["group_index"], mask)
+        # grading failures are masked out of baselines and whitening, never scored 0
+        adv = compute_advantages(a.advantage, rewards, b["group_index"], mask, valid=b["valid"])
         b["mask"], b["advantages"] = mask, adv
 
         multi = t.mini_batches * t.ppo_epochs > 1
@@ -170,7 +170,7 @@ class TorchLearner:
                         is_mode=a.is_mode, is_low=a.is_low, is_high=a.is_high, num_tokens=mb_tokens)
                     loss = pg
                     if ref_all is not None:
-                        kl = kl_penalty(logp, ref_all[rows].to(logp.device), a.kl_kind)
+                        kl = kl_penalty(logp, ref_all[rows].to(logp.device), a.kl_kind, mask=mk)
                         kl_term = torch.where(mk > 0, kl, torch.zeros_like(kl)).sum() / mb_tokens
                         loss = loss + a.kl_coef * kl_term
                         _acc(agg, "kl/loss_term", float(kl_term.detach()) * mb_tokens)
@@ -221,7 +221,6 @@ class TorchLearner:
             "actor/lr": self.opt.param_groups[0]["lr"],
             "actor/skipped_updates": float(self.skipped_total),
             "actor/updates": float(updates),
-            "reward/shaped_mean": float(rewards[keep].mean()) if keep.any() else 0.0,
             "len/response_mean": float(b["lengths"].float().mean()),
             "len/truncated_frac": float(b["truncated"].float().mean()),
             "perf/train_s": dt,
