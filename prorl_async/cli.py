@@ -3,6 +3,7 @@
     prorl-async train                                   # the embedded default (tiny CPU run)
     prorl-async train --config configs/x.yaml algo.clip_eps_high=0.28 rollout.n=8
     prorl-async config [--config X] [overrides]         # print the resolved config / field docs
+    prorl-async compare runs/a runs/b --out cmp.png     # runs side by side (run dirs or Aim hashes)
 
 Errors a user can fix (a bad config value, a missing file, a malformed dataset) are printed
 as one ``error:`` line and exit with status 2, never as a traceback from inside Ray.
@@ -35,6 +36,13 @@ def _config(args) -> int:
     return 0
 
 
+def _compare(args) -> int:
+    from prorl_async.compare import compare
+
+    print(compare(args.runs, repo=args.repo, out=args.out))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prorl-async", description="ProRL v2 asynchronous RL on Ray")
     sub = p.add_subparsers(dest="command", required=True)
@@ -47,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--docs", action="store_true", help="list every field with its default and doc")
     c.add_argument("overrides", nargs="*")
     c.set_defaults(fn=_config)
+    m = sub.add_parser("compare", help="side-by-side table and curves of runs (run dirs or Aim hashes)")
+    m.add_argument("runs", nargs="+", metavar="RUN_DIR_OR_HASH")
+    m.add_argument("--repo", default="runs", help="Aim repo folder for hashes (default: runs)")
+    m.add_argument("--out", default="compare.png", help="PNG of reward, accuracy, KL and length vs step and wall time")
+    m.set_defaults(fn=_compare)
     return p
 
 
