@@ -159,6 +159,7 @@ class LoopState:
     training: Optional[object] = None
     train_busy_s: float = 0.0
     sync_pending: int = 0
+    busy_s: dict = field(default_factory=lambda: defaultdict(float))  # cumulative seconds: grade, sync, eval
     window: dict = field(default_factory=lambda: defaultdict(float))  # rollout stats since last step
 
 
@@ -221,6 +222,7 @@ class TrainingLoop:
         s.buffered += info["kept"]
         for key, v in info["stats"].items():
             w[key] += v
+        s.busy_s["grade"] += info["stats"].get("grade_time_s", 0.0)
         n = max(info["stats"]["samples"], 1)
         if info["invalid_samples"] / n > self.cfg.reward.max_invalid_frac:
             raise RunError(f"{info['invalid_samples']} of {n} samples in one request could not be graded "
@@ -242,6 +244,7 @@ class TrainingLoop:
 
     def _on_sync_sent(self, ref) -> None:
         self._last_sync = ray.get(ref)
+        self.s.busy_s["sync"] += self._last_sync.get("perf/sync_s", 0.0)
 
     def _on_sync_received(self, i: int, ref) -> None:
         info = ray.get(ref)
@@ -271,6 +274,9 @@ class TrainingLoop:
         elapsed = max(now - self.t_start, 1e-9)
         m["async/learner_idle_frac"] = 1.0 - s.train_busy_s / elapsed
         m["async/generator_idle_frac"] = 1.0 - sum(s.gen_busy_s) / (elapsed * len(s.gen_busy_s))
+        m["async/grader_idle_frac"] = 1.0 - s.busy_s["grade"] / elapsed
+        m.update({"time/generate_s": sum(s.gen_busy_s), "time/grade_s": s.busy_s["grade"],  # cumulative
+                  "time/train_s": s.train_busy_s, "time/sync_s": s.busy_s["sync"], "time/eval_s": s.busy_s["eval"]})
         sync = getattr(self, "_last_sync", None) or {}
         m.update(sync)
         m.update(ray.get(self.actors.buffer.metrics.remote()))
@@ -297,7 +303,10 @@ class TrainingLoop:
         while s.version < cfg.train.total_steps or s.training is not None:
             if self._eval_due():  # pause new rollouts; evaluate once generators hold the new weights
                 if not any(s.gen_busy) and s.sync_pending == 0:
-                    evaluate(cfg, self.actors, self.eval_rows, s.version, self.tracker)
+                    t_eval = time.time()
+                    val = evaluate(cfg, self.actors, self.eval_rows, s.version, self.tracker)
+                    s.busy_s["eval"] += time.time() - t_eval
+                    self.history[-1].update({**val, "val/time": time.time() - self.t_start})
                     self._last_eval = s.version
             elif s.version < cfg.train.total_steps:
                 self._dispatch_generation()

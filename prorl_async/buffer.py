@@ -28,6 +28,8 @@ def rollout_stats(batch: pa.RecordBatch) -> dict[str, float]:
     """Sums over one graded request (the driver adds them up between learner steps)."""
     d = batch.select(["domain", "raw_reward", "reward_valid", "response_ids"]).to_pydict()
     out: Counter = Counter()
+    out["gen_time_s"] = float(pc.sum(batch.column("gen_time_s")).as_py() or 0.0)
+    out["grade_time_s"] = float(pc.sum(batch.column("grade_time_s")).as_py() or 0.0)
     for dom, r, ok, ids in zip(d["domain"], d["raw_reward"], d["reward_valid"], d["response_ids"]):
         out["samples"] += 1
         out["response_tokens"] += len(ids)
