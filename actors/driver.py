@@ -27,7 +27,7 @@ from prorl_async.config import Config, config_to_dict, save_config
 from prorl_async.data.datasets import load_rows
 from prorl_async.data.source import PromptSource
 from prorl_async.models import resolve_model_path
-from prorl_async.staleness import admission_budget
+from prorl_async.staleness import plan_requests
 from prorl_async.tracking import Tracker, progress_line
 
 from actors.generator import GeneratorActor
@@ -70,21 +70,53 @@ def init_ray(cfg: Config) -> bool:
     return True
 
 
+PLACEMENT_TIMEOUT_S = 300.0
+
+
+def generator_placement(cfg: Config, index: int, timeout_s: float = PLACEMENT_TIMEOUT_S) -> tuple[dict, object]:
+    """Ray options for generator ``index``, and its placement group (None below 2 GPUs).
+
+    A generator that asks for more than one GPU (a tensor-parallel vLLM engine) gets its own
+    placement group: one STRICT_PACK bundle with all its GPUs and CPUs, reserved together on
+    one node before the engine starts. The engine's processes and any Ray tasks it starts
+    (captured as child tasks) share that bundle, and a cluster with no node that fits fails
+    here with the numbers instead of leaving the actor pending.
+    """
+    r = cfg.rollout
+    opts = {"num_cpus": r.generator_num_cpus, "num_gpus": r.generator_num_gpus}
+    if r.generator_num_gpus <= 1:
+        return opts, None
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle = {"GPU": r.generator_num_gpus, **({"CPU": r.generator_num_cpus} if r.generator_num_cpus else {})}
+    pg = placement_group([bundle], strategy="STRICT_PACK", name=f"prorl-generator-{index}")
+    if not pg.wait(timeout_seconds=timeout_s):
+        remove_placement_group(pg)
+        raise RunError(f"no node can hold generator {index}'s bundle {bundle} (rollout.generator_num_gpus="
+                       f"{r.generator_num_gpus}, rollout.generator_num_cpus={r.generator_num_cpus}) within "
+                       f"{timeout_s:.0f}s; cluster resources: {ray.cluster_resources()}")
+    opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+        pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)
+    return opts, pg
+
+
 @dataclass
 class Actors:
     generators: list
     grader: object
     buffer: object
     learner: object
+    placement_groups: list = field(default_factory=list)
 
     @classmethod
     def start(cls, cfg: Config, model_path: str) -> "Actors":
         r, t = cfg.rollout, cfg.train
         learner = LearnerActor.options(num_cpus=t.learner_num_cpus, num_gpus=t.learner_num_gpus,
                                        max_restarts=0).remote(cfg, model_path)
-        gens = [GeneratorActor.options(num_cpus=r.generator_num_cpus, num_gpus=r.generator_num_gpus,
-                                       max_restarts=0).remote(cfg, model_path, i)
-                for i in range(r.num_generators)]
+        placed = [generator_placement(cfg, i) for i in range(r.num_generators)]
+        gens = [GeneratorActor.options(**opts, max_restarts=0).remote(cfg, model_path, i)
+                for i, (opts, _) in enumerate(placed)]
         grader = GraderActor.options(num_cpus=0).remote(cfg)
         buffer = ReplayBufferActor.options(num_cpus=0).remote(t.max_staleness, cfg.algo.dynamic_sampling)
         ray.get([g.ready.remote() for g in gens] + [grader.ready.remote()], timeout=600)
@@ -96,7 +128,7 @@ class Actors:
         ray.get([learner.init_weight_sync.remote(host, port, world, backend)]
                 + [g.init_weight_sync.remote(host, port, i + 1, world, backend) for i, g in enumerate(gens)],
                 timeout=t.sync_timeout_s)
-        return cls(gens, grader, buffer, learner)
+        return cls(gens, grader, buffer, learner, [pg for _, pg in placed if pg is not None])
 
     def all(self) -> list:
         return [*self.generators, self.grader, self.buffer, self.learner]
@@ -178,14 +210,10 @@ class TrainingLoop:
     # ------------------------------------------------------------ dispatch
     def _dispatch_generation(self) -> None:
         cfg, s = self.cfg, self.s
-        G, slack = cfg.train.prompts_per_step, cfg.train.max_staleness
-        for i, gen in enumerate(self.actors.generators):
-            if s.gen_busy[i]:
-                continue
-            budget = admission_budget(s.gen_version[i], slack, G, s.consumed, s.live)
-            if budget < 1:
-                continue
-            k = min(cfg.rollout.prompts_per_request, budget)
+        plan = plan_requests(s.gen_version, s.gen_busy, cfg.train.max_staleness, cfg.train.prompts_per_step,
+                             cfg.rollout.prompts_per_request, s.consumed, s.live)
+        for i, k in plan:
+            gen = self.actors.generators[i]
             rows = self.source.next(k)
             seed = cfg.rollout.seed * 1_000_003 + s.requests
             s.requests += 1
@@ -381,5 +409,7 @@ def run(cfg: Config) -> dict:
                     ray.kill(a)
                 except Exception:
                     pass
+            for pg in actors.placement_groups:
+                ray.util.remove_placement_group(pg)
         if started:
             ray.shutdown()

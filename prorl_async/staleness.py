@@ -24,3 +24,24 @@ def admission_budget(generator_version: int, max_staleness: int, prompts_per_ste
 def staleness(learner_version: int, policy_version: int) -> int:
     """Versions between the weights that generated a sample and the learner training on it."""
     return learner_version - policy_version
+
+
+def plan_requests(generator_versions: list[int], generator_busy: list[bool], max_staleness: int,
+                  prompts_per_step: int, prompts_per_request: int, consumed: int, live: int) -> list[tuple[int, int]]:
+    """``(generator index, prompts)`` of every request that may start now, in generator order.
+
+    Each idle generator gets ``min(prompts_per_request, budget)`` prompts while its admission
+    budget is positive; planned requests count as live for the generators after it. This is
+    the driver's dispatch rule, shared with the scale simulation (``benchmarks/bench_scale_sim.py``).
+    """
+    plan = []
+    for i, (version, busy) in enumerate(zip(generator_versions, generator_busy)):
+        if busy:
+            continue
+        budget = admission_budget(version, max_staleness, prompts_per_step, consumed, live)
+        if budget < 1:
+            continue
+        k = min(prompts_per_request, budget)
+        plan.append((i, k))
+        live += k
+    return plan
