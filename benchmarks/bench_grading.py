@@ -1,0 +1,206 @@
+"""Grading throughput: responses/s per domain, in-process and through the GraderPool.
+
+Rows are the built-in eval-split tasks (``builtin:<domain>``; ``builtin:arithmetic`` for the
+default task), responses a realistic half-right / half-wrong mix (gold answers in ``\\boxed{}``
+with some prose, reference programs for code). Modes:
+
+* ``in-process``: ``prorl_async.rewards.grade`` in a loop in this process (one core). For code
+  this runs every program in the real sandbox (a fresh namespaced process tree per response).
+* ``plain exec (UNSAFE, no sandbox)``: code only. The same programs ``exec``-ed in this process
+  with stdin/stdout redirected: what the sandbox costs, not something to run on model output.
+* ``pool``: :class:`prorl_async.rewards.pool.GraderPool` with ``--workers`` processes (chunked
+  IPC, kill-based time limit), whole batch per ``grade_many`` call; ``mixed`` interleaves all
+  domains in one batch.
+
+Every mode is timed after one warm-up batch (Math-Verify's import and first parse, worker
+start-up). Output: a table, ``benchmarks/out/grading.json`` and ``benchmarks/out/grading.png``.
+The machine is shared: the load average at start is recorded with the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import OUT_DIR, machine, plt, table, write_json  # noqa: E402
+
+DOMAINS = ["arithmetic", "math", "code", "stem", "logic", "instruction"]
+DEFAULT_N = {"arithmetic": 20000, "math": 300, "code": 60, "stem": 3000, "logic": 3000,
+             "instruction": 3000}
+
+# reference programs for the built-in code templates (meta["task"])
+REFERENCE = {
+    "filtered_sum": lambda m: f"input()\nprint(sum(x for x in map(int, input().split()) if x % {m['k']} == 0))\n",
+    "reverse_words": lambda m: f"print({m['sep']!r}.join(input().split()[::-1]))\n",
+    "vowels": lambda m: f"for _ in range(int(input())):\n    print(sum(c in {m['letters']!r} for c in input()))\n",
+    "max_subarray": lambda m: "input()\nxs = list(map(int, input().split()))\nb = c = xs[0]\n"
+                              "for x in xs[1:]:\n    c = max(x, c + x)\n    b = max(b, c)\nprint(b)\n",
+    "fizzbuzz": lambda m: f"for i in range(1, int(input()) + 1):\n"
+                          f"    s = ({m['wa']!r} if i % {m['a']} == 0 else '') + "
+                          f"({m['wb']!r} if i % {m['b']} == 0 else '')\n    print(s or i)\n",
+    "rotate": lambda m: ("def rotate(nums, k):\n    if not nums:\n        return []\n    k %= len(nums)\n"
+                         + ("    return nums[k:] + nums[:k]\n" if m["direction"] == "left"
+                            else "    return nums[len(nums) - k:] + nums[:len(nums) - k]\n")),
+}
+INSTRUCTION_TEXTS = [
+    "here is a short note about the topic. it is quiet and simple.\n\nthe light was warm.",
+    "* First point about the morning\n* Second point, with water\n* Third point",
+    '{"title": "A note", "body": "The wind over the stone"}',
+    "IMAGINE A JOURNEY THROUGH THE HILLS. THE WIND IS COLD. THANK YOU FOR READING.",
+]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--domains", default=",".join(DOMAINS), help="comma-separated subset of %(default)s")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiply the per-domain sample counts (%s)" % DEFAULT_N)
+    p.add_argument("--workers", type=int, default=2, help="GraderPool workers (default 2)")
+    p.add_argument("--timeout-s", type=float, default=10.0, help="GraderPool per-sample limit")
+    p.add_argument("--out", default=str(OUT_DIR), help="output directory (default benchmarks/out)")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def make_batch(domain: str, n: int, seed: int) -> tuple[list[dict], list[str]]:
+    from prorl_async.data.datasets import load_rows
+
+    rows = load_rows(f"builtin:{domain}?n={n}&seed={seed}&split=eval")
+    responses = []
+    for i, r in enumerate(rows):
+        right = i % 2 == 0
+        if domain == "arithmetic":
+            responses.append(f" {r['answer'] if right else int(r['answer']) + 1}\n1+1=2")
+        elif domain in ("math", "stem", "logic"):
+            wrong = "B" if r.get("choices") and r["answer"] != "B" else "A" if r.get("choices") else "17"
+            body = "Let us work through it step by step. " * 8
+            responses.append(f"{body}So the final answer is \\boxed{{{r['answer'] if right else wrong}}}.")
+        elif domain == "code":
+            prog = REFERENCE[r["meta"]["task"]](r["meta"]) if right else "print(0)\n"
+            responses.append(f"Here is my solution.\n```python\n{prog}```\n")
+        else:
+            responses.append(INSTRUCTION_TEXTS[i % len(INSTRUCTION_TEXTS)])
+    return rows, responses
+
+
+def plain_exec_code(rows, responses) -> float:
+    """UNSAFE in-process execution of the code responses; returns the number of tests passed."""
+    from prorl_async.rewards.code import extract_program, stdout_matches, values_equal
+
+    passed = 0
+    for row, resp in zip(rows, responses):
+        src = extract_program(resp)
+        code = compile(src, "<solution>", "exec")
+        for t in row["tests"]:
+            out = io.StringIO()
+            ns = {"__name__": "solution" if "fn_name" in t else "__main__"}
+            old_stdin = sys.stdin
+            sys.stdin = io.StringIO(t.get("input", ""))
+            try:
+                with contextlib.redirect_stdout(out):
+                    exec(code, ns)
+                    if "fn_name" in t:
+                        got = ns[t["fn_name"]](*t["args"])
+                        passed += values_equal(list(got) if isinstance(got, tuple) else got, t["expected"])
+                        continue
+                passed += stdout_matches(out.getvalue(), t["output"])
+            except Exception:  # noqa: BLE001 -- a wrong program
+                pass
+            finally:
+                sys.stdin = old_stdin
+    return passed
+
+
+def timed(fn, n) -> dict:
+    t0 = time.perf_counter()
+    fn()
+    dt = time.perf_counter() - t0
+    return {"n": n, "seconds": round(dt, 4), "responses_per_s": n / dt}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from prorl_async.rewards import grade
+    from prorl_async.rewards.pool import GraderPool
+    from prorl_async.rewards.sandbox import isolation_mode
+
+    domains = [d for d in args.domains.split(",") if d]
+    info = machine()
+    info["sandbox_isolation"] = isolation_mode()
+    batches = {d: make_batch(d, max(4, int(DEFAULT_N[d] * args.scale)), args.seed) for d in domains}
+    results = []
+
+    for d in domains:  # in-process, serial
+        rows, responses = batches[d]
+        k = max(2, len(rows) // 20)
+        for r, s in zip(rows[:k], responses[:k]):  # warm-up
+            grade(r, s)
+        res = timed(lambda: [grade(r, s) for r, s in zip(rows, responses)], len(rows))
+        label = "in-process (sandboxed)" if d == "code" else "in-process"
+        results.append({"domain": d, "mode": label, **res})
+        print(f"{d:12s} {label:32s} {res['responses_per_s']:10.1f} responses/s", flush=True)
+        if d == "code":
+            plain_exec_code(rows[:k], responses[:k])
+            res = timed(lambda: plain_exec_code(rows, responses), len(rows))
+            results.append({"domain": d, "mode": "plain exec (UNSAFE, no sandbox)", **res})
+            print(f"{d:12s} {'plain exec (UNSAFE, no sandbox)':32s} {res['responses_per_s']:10.1f} responses/s",
+                  flush=True)
+
+    with GraderPool(num_workers=args.workers, timeout_s=args.timeout_s) as pool:
+        label = f"pool ({args.workers} workers)"
+        for d in domains:
+            rows, responses = batches[d]
+            k = max(2 * args.workers, len(rows) // 10)
+            pool.grade_many(rows[:k], responses[:k])  # warm-up: every worker's first batch
+            res = timed(lambda: pool.grade_many(rows, responses), len(rows))
+            results.append({"domain": d, "mode": label, **res})
+            print(f"{d:12s} {label:32s} {res['responses_per_s']:10.1f} responses/s", flush=True)
+        mixed_rows, mixed_resp = [], []
+        longest = max(len(batches[d][0]) for d in domains)
+        for i in range(longest):  # interleave, each domain in proportion to its batch
+            for d in domains:
+                rows, responses = batches[d]
+                if i < len(rows):
+                    mixed_rows.append(rows[i])
+                    mixed_resp.append(responses[i])
+        res = timed(lambda: pool.grade_many(mixed_rows, mixed_resp), len(mixed_rows))
+        results.append({"domain": "mixed", "mode": label, **res})
+        invalid = pool.metrics()["reward/invalid"]
+
+    print()
+    print(table(results, [("domain", "domain", "{}"), ("mode", "mode", "{}"), ("n", "n", "{}"),
+                          ("seconds", "s", "{:.2f}"), ("responses_per_s", "responses/s", "{:.1f}")]))
+    print(f"\nmachine: {info}\ninvalid grades in the pool: {invalid:.0f}")
+    out = Path(args.out)
+    path = write_json("grading", {"machine": info, "args": vars(args), "results": results,
+                                  "pool_invalid": invalid}, out_dir=out)
+    pyplot = plt()
+    fig, ax = pyplot.subplots(figsize=(9, 0.42 * len(results) + 1.2))
+    labels = [f"{r['domain']} — {r['mode']}" for r in results]
+    colors = ["tab:red" if "UNSAFE" in r["mode"] else "tab:blue" if r["mode"].startswith("pool")
+              else "tab:gray" for r in results]
+    ax.barh(range(len(results)), [r["responses_per_s"] for r in results], color=colors)
+    ax.set_yticks(range(len(results)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("responses / s (log scale)")
+    ax.set_title(f"Grading throughput, {info['cores']}-core CPU, {info['date']} "
+                 f"(sandbox: {info['sandbox_isolation']})", fontsize=9)
+    for i, r in enumerate(results):
+        ax.text(r["responses_per_s"], i, f" {r['responses_per_s']:.0f}", va="center", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "grading.png", dpi=120)
+    print(f"wrote {path} and {out / 'grading.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Code verifier: program extraction, stdin/stdout and function-call tests, partial credit."""
+
+import pytest
+
+from prorl_async.rewards import code as code_mod
+from prorl_async.rewards import grade
+from prorl_async.rewards.code import extract_program, limits_from_options, stdout_matches, values_equal
+from prorl_async.rewards.sandbox import SandboxError
+
+ADD_TESTS = [{"input": "1 2\n", "output": "3\n"}, {"input": "10 -4\n", "output": "6\n"},
+             {"input": "0 0\n", "output": "0\n"}, {"input": "5 5\n", "output": "10\n"}]
+
+
+def row(tests):
+    return {"id": "c", "domain": "code", "prompt": "add two ints", "tests": tests}
+
+
+def test_correct_program_full_reward():
+    g = grade(row(ADD_TESTS), "Here:\n```python\nimport sys\na, b = map(int, sys.stdin.read().split())\n"
+                              "print(a + b)\n```\nDone.")
+    assert (g.reward, g.valid, g.reason) == (1.0, True, "passed")
+
+
+def test_partial_credit_and_all_mode():
+    # right only when a == b or one is 0... i.e. for 0 0 and 5 5 (2 of 4)
+    prog = "```python\na, b = map(int, input().split())\nprint(2 * max(a, b) if a == b else 7)\n```"
+    frac = grade(row(ADD_TESTS), prog)
+    assert (frac.reward, frac.reason) == (0.5, "failed:wrong_output")
+    assert grade(row(ADD_TESTS), prog, code_mode="all").reward == 0.0
+
+
+def test_runtime_error_reason_names_the_exception():
+    g = grade(row(ADD_TESTS), "```python\nraise ZeroDivisionError\n```")
+    assert (g.reward, g.valid, g.reason) == (0.0, True, "failed:error:ZeroDivisionError")
+
+
+def test_function_call_cases_top_level_and_solution_class():
+    tests = [{"fn_name": "two_sum", "args": [[2, 7, 11, 15], 9], "expected": [0, 1]},
+             {"fn_name": "two_sum", "args": [[3, 2, 4], 6], "expected": [1, 2]}]
+    top = "def two_sum(nums, t):\n    seen = {}\n    for i, x in enumerate(nums):\n" \
+          "        if t - x in seen:\n            return (seen[t - x], i)\n        seen[x] = i\n"
+    assert grade(row(tests), f"```python\n{top}```").reward == 1.0  # a tuple equals a JSON list
+    cls = "class Solution:\n    def two_sum(self, nums, t):\n        return [0, 1]\n"
+    assert grade(row(tests), f"```python\n{cls}```").reward == 0.5
+    missing = grade(row(tests), "```python\ndef other():\n    pass\n```")
+    assert (missing.reward, missing.reason) == (0.0, "failed:error:NameError")
+
+
+def test_function_cases_do_not_run_main_guard():
+    tests = [{"fn_name": "f", "args": [2], "expected": 4}]
+    prog = "def f(x):\n    return x * x\nif __name__ == '__main__':\n    print(f(int(input())))\n"
+    assert grade(row(tests), prog).reward == 1.0
+
+
+def test_mixed_case_kinds():
+    tests = [ADD_TESTS[0], {"fn_name": "add", "args": [1, 2], "expected": 3}]
+    prog = "def add(a, b):\n    return a + b\nif __name__ == '__main__':\n" \
+           "    print(add(*map(int, input().split())))\n"
+    assert grade(row(tests), prog).reward == 1.0
+
+
+@pytest.mark.parametrize("response,expected", [
+    ("```python\nA\n```\ntext\n```python\nB\n```", "B\n"),
+    ("```py\nC\n```", "C\n"),
+    ("```Python3\nD\n```", "D\n"),
+    ("no fences at all", "no fences at all"),
+    ("text\n```python\nE = 1\n", "E = 1\n"),  # cut off at max length
+])
+def test_extract_program(response, expected):
+    assert extract_program(response) == expected
+
+
+def test_stdout_comparison_rules():
+    assert stdout_matches("3  \n\n\n", "3\n")
+    assert stdout_matches("0.3333333333\n", "0.333333333")
+    assert not stdout_matches("0.33\n", "0.333333333")
+    assert not stdout_matches("3\n4\n", "3\n")
+    assert not stdout_matches("3 4", "34")
+
+
+def test_value_comparison_rules():
+    assert values_equal([1, [2.0000000001]], [1, [2]])
+    assert not values_equal(True, 1) and not values_equal(1, True)
+    assert values_equal({"a": [1]}, {"a": [1]}) and not values_equal({"a": 1}, {"b": 1})
+    assert not values_equal([1, 2], [1, 2, 3])
+    assert not values_equal("1", 1)
+
+
+@pytest.mark.parametrize("tests,reason", [
+    (None, "tests must be a non-empty list"),
+    ([], "tests must be a non-empty list"),
+    ([{"input": "1"}], "neither"),
+    ([{"input": 1, "output": "1"}], "must be strings"),
+    ([{"fn_name": "f", "args": [1]}], "function case"),
+    ([{"fn_name": "f", "args": 1, "expected": 1}], "args must be a list"),
+])
+def test_malformed_tests_are_invalid(tests, reason):
+    g = grade(row(tests), "print(1)")
+    assert not g.valid and g.reason.startswith("malformed_row") and reason in g.reason
+
+
+def test_empty_program_is_wrong_not_invalid():
+    g = grade(row(ADD_TESTS), "```python\n\n```")
+    assert (g.reward, g.valid, g.reason) == (0.0, True, "no_answer")
+
+
+def test_sandbox_failure_is_invalid(monkeypatch):
+    def broken(*a, **k):
+        raise SandboxError("unshare: Operation not permitted")
+
+    monkeypatch.setattr(code_mod, "run_tests", broken)
+    g = grade(row(ADD_TESTS), "print(3)")
+    assert (g.valid, g.reason) == (False, "sandbox_error")
+
+
+def test_time_budget_from_the_pool_caps_the_sandbox_time():
+    assert limits_from_options({"code_total_time_s": 6.0, "time_budget_s": None}).total_time_s == 6.0
+    capped = limits_from_options({"code_total_time_s": 6.0, "code_time_limit_s": 2.0, "time_budget_s": 3.0})
+    assert capped.total_time_s == pytest.approx(1.4) and capped.time_limit_s == pytest.approx(1.4)
