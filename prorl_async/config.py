@@ -37,6 +37,7 @@ class ModelConfig:
     cache_dir: str = _f("", "where built-in models are cached (default: $PRORL_ASYNC_CACHE or ~/.cache/prorl-async)")
     warmup_steps: int = _f(300, "supervised warm-up steps for the built-in model (0 = untrained)")
     warmup_lr: float = _f(3e-3, "learning rate of the built-in model's supervised warm-up")
+    warmup_noise: float = _f(0.0, "fraction of warm-up demonstrations with a last-digit slip (imperfect SFT data)")
     hidden_size: int = _f(128, "built-in model width")
     num_layers: int = _f(2, "built-in model depth")
 
@@ -61,6 +62,9 @@ class RolloutConfig:
     generator_num_cpus: float = _f(1.0, "CPUs Ray reserves per generator")
     generator_num_gpus: float = _f(0.0, "GPUs Ray reserves per generator")
     seed: int = _f(0, "base seed of the generators' samplers")
+    tensor_parallel_size: int = _f(1, "vLLM tensor-parallel GPUs per generator (each TP rank joins the weight-sync group)")
+    inflight_weight_updates: bool = _f(False, "vLLM: apply new weights mid-request (pause, update, resume) instead of at the next request")
+    gpu_memory_utilization: float = _f(0.85, "vLLM on GPU: fraction of GPU memory for weights and KV cache")
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,9 @@ class TrainConfig:
     batch_timeout_s: float = _f(600.0, "a learner step waiting longer than this for rollouts fails the run")
     sync_timeout_s: float = _f(120.0, "weight broadcast timeout")
     max_skipped_steps: int = _f(5, "consecutive non-finite steps before the run stops")
+    learner: str = _f("torch", "learner implementation: torch or deepspeed (ZeRO)")
+    zero_stage: int = _f(2, "DeepSpeed ZeRO stage 0-3 (learner=deepspeed)")
+    num_learners: int = _f(1, "data-parallel learner actors (each trains on its share of the groups)")
 
 
 @dataclass(frozen=True)
@@ -304,6 +311,12 @@ def validate(cfg: Config) -> None:
     _require(cfg.ray.weight_sync_backend in ("auto", "gloo", "nccl"), "ray.weight_sync_backend",
              f"must be auto, gloo or nccl, got {cfg.ray.weight_sync_backend!r}")
     _require(t.eval_samples >= 1, "train.eval_samples", f"must be >= 1, got {t.eval_samples}")
+    _require(t.learner in ("torch", "deepspeed"), "train.learner", f"must be torch or deepspeed, got {t.learner!r}")
+    _require(t.zero_stage in (0, 1, 2, 3), "train.zero_stage", f"must be 0, 1, 2 or 3, got {t.zero_stage}")
+    _require(t.num_learners >= 1 and t.prompts_per_step % t.num_learners == 0, "train.num_learners",
+             f"must divide train.prompts_per_step={t.prompts_per_step} (got {t.num_learners}); groups are not split across learners")
+    _require(r.tensor_parallel_size >= 1 and (r.tensor_parallel_size == 1 or r.engine == "vllm"), "rollout.tensor_parallel_size",
+             f"must be >= 1, and > 1 only with rollout.engine=vllm; got {r.tensor_parallel_size}")
 
 
 def describe(cls=Config, prefix: str = "") -> list[str]:

@@ -52,8 +52,22 @@ def _tiny_config(tokenizer, hidden: int, layers: int):
                        pad_token_id=tokenizer.pad_token_id)
 
 
-def _warmup(model, tokenizer, steps: int, lr: float, seed: int, log=print) -> None:
-    """Supervised warm-up on train-split arithmetic: loss on the answer tokens only."""
+def noisy_answer(answer: str, rng: random.Random, noise: float) -> str:
+    """With probability ``noise``, the demonstration's last digit is off by one (a slip)."""
+    if rng.random() >= noise:
+        return answer
+    last = (int(answer[-1]) + rng.choice((-1, 1))) % 10
+    return answer[:-1] + str(last)
+
+
+def _warmup(model, tokenizer, steps: int, lr: float, seed: int, noise: float = 0.0, log=print) -> None:
+    """Supervised warm-up on train-split arithmetic: loss on the answer tokens only.
+
+    The demonstrations are imperfect on purpose, as real SFT data is: a fraction ``noise``
+    of them carry a last-digit slip. The warmed-up policy therefore puts real probability on
+    both right and slightly wrong answers, which is exactly the situation where RL with a
+    verifier has signal to learn from.
+    """
     from prorl_async.data import arithmetic
 
     rows = arithmetic.generate(20000, seed=seed + 1000, split="train")
@@ -66,7 +80,8 @@ def _warmup(model, tokenizer, steps: int, lr: float, seed: int, log=print) -> No
         ids, labels = [], []
         for r in batch:
             p = tokenizer(r["prompt"])["input_ids"]
-            a = tokenizer(r["answer"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            target = noisy_answer(r["answer"], rng, noise)
+            a = tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             ids.append(p + a)
             labels.append([-100] * len(p) + a)
         width = max(map(len, ids))
@@ -93,6 +108,7 @@ def build_tiny_arith(model_cfg, seed: int = 0, log=print) -> Path:
 
     key = json.dumps({"v": 1, "hidden": model_cfg.hidden_size, "layers": model_cfg.num_layers,
                       "steps": model_cfg.warmup_steps, "lr": model_cfg.warmup_lr, "seed": seed,
+                      "noise": model_cfg.warmup_noise,
                       "chars": CHARS}, sort_keys=True)
     digest = hashlib.sha1(key.encode()).hexdigest()[:12]
     out = default_cache_dir(model_cfg.cache_dir) / f"tiny-arith-{digest}"
@@ -103,8 +119,11 @@ def build_tiny_arith(model_cfg, seed: int = 0, log=print) -> Path:
     tokenizer = build_char_tokenizer()
     model = LlamaForCausalLM(_tiny_config(tokenizer, model_cfg.hidden_size, model_cfg.num_layers))
     threads = torch.get_num_threads()
-    _warmup(model, tokenizer, model_cfg.warmup_steps, model_cfg.warmup_lr, seed, log)
-    torch.set_num_threads(threads)
+    torch.set_num_threads(1)  # a model this small gains nothing from more; oversubscribed threads crawl
+    try:
+        _warmup(model, tokenizer, model_cfg.warmup_steps, model_cfg.warmup_lr, seed, model_cfg.warmup_noise, log)
+    finally:
+        torch.set_num_threads(threads)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)

@@ -34,7 +34,7 @@ def rollout_batch(columns: dict) -> pa.RecordBatch:
     """Build a RecordBatch in schema order; missing reward columns get their 'ungraded' values."""
     n = len(columns["sample_id"])
     defaults = {"reward": [0.0] * n, "raw_reward": [0.0] * n, "reward_valid": [False] * n,
-                "grade_time_s": [0.0] * n, "grade_reason": ["ungraded"] * n}
+                "grade_time_s": [0.0] * n, "gen_time_s": [0.0] * n, "grade_reason": ["ungraded"] * n}
     arrays = [pa.array(columns.get(f.name, defaults.get(f.name)), type=f.type) for f in ROLLOUT_SCHEMA]
     return pa.RecordBatch.from_arrays(arrays, schema=ROLLOUT_SCHEMA)
 
