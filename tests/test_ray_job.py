@@ -1,0 +1,271 @@
+"""``ray job submit`` against a ``ray start --head`` cluster, token authentication on.
+
+The head runs on loopback with its own ports, temp dir and HOME (so no ``~/.ray/auth_token``
+of the real user is read or written); the cluster token reaches it, and the ``ray job``
+client, through ``RAY_AUTH_MODE=token`` + ``RAY_AUTH_TOKEN``. The job is the real console
+script, shipped with ``--working-dir``. Teardown stops only what this test started: SIGTERM to
+its ``ray start --block`` process (which shuts down the gcs, raylet, dashboard and agents it
+spawned), then any process still carrying this test's marker in its environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _free_range(n: int) -> int:
+    """Start of ``n`` consecutive ports that are free right now (worker ports)."""
+    for _ in range(200):
+        lo = 20000 + secrets.randbelow(30000)
+        try:
+            socks = []
+            for p in range(lo, lo + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return lo
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range")
+
+
+def _tagged_pids(tag: str) -> list[int]:
+    """Processes whose environment carries this test's marker (only ours can)."""
+    needle = f"PRORL_RAY_JOB_TEST={tag}".encode()
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            if needle in (d / "environ").read_bytes().split(b"\0"):
+                pids.append(int(d.name))
+        except OSError:
+            continue
+    return pids
+
+
+class Head:
+    def __init__(self):
+        self.tmp = Path(tempfile.mkdtemp(prefix="prj", dir="/tmp"))  # short: unix socket paths
+        self.home = self.tmp / "home"
+        self.home.mkdir()
+        self.tag = secrets.token_hex(8)
+        self.token = secrets.token_hex(32)
+        self.dashboard_port = _free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        env.update({
+            "HOME": str(self.home),
+            "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token,
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # Linux: keep every address on 127.0.0.1
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",  # the job finds `prorl-async`
+            "PRORL_RAY_JOB_TEST": self.tag,
+        })
+        env.pop("PYTHONPATH", None)
+        self.env = env
+        lo = _free_range(64)
+        self.cmd = [
+            str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+            f"--port={_free_port()}", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
+            f"--ray-client-server-port={_free_port()}", f"--node-manager-port={_free_port()}",
+            f"--object-manager-port={_free_port()}", f"--min-worker-port={lo}", f"--max-worker-port={lo + 63}",
+            f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
+            f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
+            f"--temp-dir={self.tmp / 'r'}", "--num-cpus=4", "--num-gpus=0", "--include-dashboard=true",
+            "--disable-usage-stats",
+        ]
+        self.address = f"http://127.0.0.1:{self.dashboard_port}"
+        self.proc = None
+
+    def start(self, timeout: float = 180) -> None:
+        self.log = open(self.tmp / "head.log", "w")
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ray start exited {self.proc.returncode}:\n{(self.tmp / 'head.log').read_text()}")
+            try:
+                self.api("/api/jobs/")
+                return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                time.sleep(1)
+        raise RuntimeError(f"head did not come up in {timeout}s:\n{(self.tmp / 'head.log').read_text()}")
+
+    def api(self, path: str, token: bool = True):
+        req = urllib.request.Request(self.address + path)
+        if token:
+            req.add_header("Authorization", f"Bearer {self.token}")
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())
+
+    def ray(self, *args, timeout: float = 120) -> subprocess.CompletedProcess:
+        """The ``ray`` CLI as a user on this cluster runs it (token in the environment)."""
+        return subprocess.run([str(BIN / "ray"), *args], cwd=ROOT, env=self.env, capture_output=True,
+                              text=True, timeout=timeout)
+
+    def stop(self) -> list[int]:
+        """Stop what ``start`` started; returns pids that needed a SIGKILL."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # `ray start --block` shuts its node down on SIGTERM
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        deadline = time.time() + 30
+        while _tagged_pids(self.tag) and time.time() < deadline:
+            time.sleep(0.5)
+        killed = _tagged_pids(self.tag)
+        for pid in killed:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if getattr(self, "log", None):
+            self.log.close()
+        return killed
+
+
+@pytest.fixture(scope="module")
+def head():
+    h = Head()
+    try:
+        h.start()
+        yield h
+    finally:
+        killed = h.stop()
+        assert not _tagged_pids(h.tag), "processes of the test cluster survived SIGKILL"
+        assert not killed, f"processes still running 30 s after the head stopped: {killed}"
+
+
+def _wait_job(h: Head, job_id: str, timeout: float) -> str:
+    deadline = time.time() + timeout
+    status = "?"
+    while time.time() < deadline:
+        status = h.api(f"/api/jobs/{job_id}")["status"]
+        if status in TERMINAL:
+            return status
+        time.sleep(2)
+    return f"TIMEOUT (last status {status})"
+
+
+def test_token_auth_is_on(head):
+    with pytest.raises(urllib.error.HTTPError) as e:
+        head.api("/api/jobs/", token=False)
+    assert e.value.code == 401
+    env_no_token = {k: v for k, v in head.env.items() if not k.startswith("RAY_AUTH")}
+    res = subprocess.run([str(BIN / "ray"), "job", "list", "--address", head.address], env=env_no_token,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "authentication" in (res.stdout + res.stderr).lower()
+    # `ray start --head` uses the token it is given and writes none to ~/.ray
+    assert not (head.home / ".ray" / "auth_token").exists()
+
+
+def test_submit_short_training_job(head):
+    out = head.tmp / "out"
+    run_dir, aim_repo = out / "run", out / "aim"
+    job_id = f"prorl-test-{head.tag}"
+    res = head.ray(
+        "job", "submit", "--address", head.address, "--submission-id", job_id, "--no-wait",
+        "--working-dir", ".", "--",
+        "prorl-async", "train", f"run_dir={run_dir}", f"tracking.aim_repo={aim_repo}",
+        f"model.cache_dir={out / 'cache'}", "tracking.run_name=ray-job-test",
+        "train.total_steps=3", "train.prompts_per_step=8", "rollout.n=4", "train.eval_interval=0",
+        "model.warmup_steps=100", "data.eval=builtin:arithmetic?n=16&seed=2&split=eval",  # shlex-quoted by ray
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    status = _wait_job(head, job_id, timeout=420)
+    logs = head.ray("job", "logs", job_id, "--address", head.address)
+    assert logs.returncode == 0, logs.stderr
+    assert status == "SUCCEEDED", f"job {status}; logs:\n{logs.stdout[-6000:]}"
+
+    for step in (1, 2, 3):
+        assert f"step    {step}/3" in logs.stdout, logs.stdout[-4000:]
+    assert "done: 3 steps" in logs.stdout
+    assert f"run directory: {run_dir}" in logs.stdout
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3
+    assert len((run_dir / "history.jsonl").read_text().splitlines()) == 3
+    assert (run_dir / "config.yaml").is_file() and (aim_repo / ".aim").is_dir()
+
+    from prorl_async.compare import open_runs  # the Aim run is there, with its hyperparameters
+
+    (run,) = open_runs([str(run_dir)])
+    assert run.hash == summary["aim_run_hash"] and run.label == "ray-job-test"
+    assert run.hparams["train"]["total_steps"] == 3
+    assert run.series("reward/mean").steps == [1, 2, 3]
+
+
+PLACEMENT_SCRIPT = r"""
+import tempfile
+import ray
+from prorl_async.config import load_config
+from actors.driver import RunError, generator_placement
+
+ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, logging_level="ERROR",
+         _temp_dir=tempfile.mkdtemp(prefix="prp", dir="/tmp"))
+try:
+    opts, pg = generator_placement(load_config(None, ["rollout.generator_num_gpus=0"]), 0)
+    assert pg is None and opts == {"num_cpus": 1.0, "num_gpus": 0.0}, opts
+
+    opts, pg = generator_placement(load_config(None, ["rollout.generator_num_gpus=2"]), 0, timeout_s=60)
+    table = ray.util.placement_group_table(pg)
+    assert table["strategy"] == "STRICT_PACK" and table["bundles"] == {0: {"GPU": 2.0, "CPU": 1.0}}, table
+
+    @ray.remote
+    class Probe:
+        def where(self):
+            ctx = ray.get_runtime_context()
+            return ctx.get_placement_group_id(), sorted(ray.get_gpu_ids())
+
+    pg_id, gpus = ray.get(Probe.options(**opts).remote().where.remote())
+    assert pg_id == pg.id.hex() and gpus == [0, 1], (pg_id, gpus)
+    ray.util.remove_placement_group(pg)
+
+    try:  # more GPUs than any node has: a clear error, not a pending actor
+        generator_placement(load_config(None, ["rollout.generator_num_gpus=4"]), 1, timeout_s=3)
+        raise AssertionError("expected RunError")
+    except RunError as e:
+        assert "rollout.generator_num_gpus=4" in str(e), e
+    print("placement ok")
+finally:
+    ray.shutdown()
+"""
+
+
+def test_generator_placement_group_strict_pack(tmp_path):
+    """A >1-GPU generator gets one STRICT_PACK bundle (Ray's logical GPUs stand in for real ones)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(PYTHONPATH=str(ROOT), HOME=str(tmp_path),
+               RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))  # read when ray is imported
+    res = subprocess.run([sys.executable, "-c", PLACEMENT_SCRIPT], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0 and "placement ok" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
