@@ -1,0 +1,214 @@
+"""A peer on the same work: TRL's GRPOTrainer vs prorl-async, wall time and reward curves.
+
+Same model (the built-in ``tiny-arith`` folder from the model cache), task (the built-in
+arithmetic train split; reward 1 iff the completion starts with the right integer — the
+project's verifier :func:`prorl_async.rewards.arithmetic.verify` is TRL's reward function),
+group size (``n`` = ``num_generations``), batch (``prompts_per_step * n`` completions generated
+and trained per optimizer step), number of steps and samples, max completion length,
+temperature 1, learning rate (constant), token-level loss aggregation, clip 0.2 / 0.27
+(Clip-Higher), KL coefficient 1e-4, gradient clip 1.
+
+prorl-async runs with ``algo.dynamic_sampling=false`` by default so that both systems generate
+exactly the samples they train on (TRL's GRPOTrainer has no dynamic sampling); pass
+``--dynamic-sampling`` to run prorl-async's default instead (it then generates more samples
+than it trains). Remaining differences, kept on purpose, are the two systems' own defaults:
+advantages (REINFORCE++-baseline with global whitening vs GRPO's group mean with
+``scale_rewards="batch"``, the closest TRL option), KL estimator (k2 in the loss vs TRL's k3),
+and prorl-async's behaviour-policy importance correction (TIS).
+
+Execution: prorl-async as in production here — a local Ray cluster (own temp dir), one
+generator actor and one learner actor, one torch thread each, overlapping under
+``max_staleness`` (0 = synchronous, 1 = default). TRL in one process with all torch threads
+(2 on this machine), generation with ``model.generate`` (no vLLM on CPU), bf16 autocast like
+prorl-async's learner. The ratio compares training-loop wall times (prorl-async: first step
+dispatched to last step done, no evaluation inside; TRL: ``trainer.train()``), plus total
+process wall times including start-up (prorl-async's total also holds its before/after
+held-out evaluations).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import OUT_DIR, machine, plt, table, write_json  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps (train.total_steps / max_steps)")
+    p.add_argument("--prompts-per-step", type=int, default=32, help="prompts per step")
+    p.add_argument("--n", type=int, default=8, help="group size (rollout.n / num_generations)")
+    p.add_argument("--max-new-tokens", type=int, default=8, help="max completion length")
+    p.add_argument("--lr", type=float, default=2e-4, help="learning rate (both)")
+    p.add_argument("--modes", default="0,1", help="prorl-async train.max_staleness values to run ('' = TRL only)")
+    p.add_argument("--dynamic-sampling", action="store_true", help="prorl-async with dynamic sampling (its default)")
+    p.add_argument("--trl-fp32", action="store_true", help="TRL without bf16 autocast (prorl-async's learner uses it)")
+    p.add_argument("--cache-dir", default=os.environ.get("PRORL_ASYNC_CACHE", "/tmp/prorl-cache"),
+                   help="model.cache_dir holding the built-in model")
+    p.add_argument("--out", type=Path, default=OUT_DIR, help="output folder")
+    return p.parse_args(argv)
+
+
+def common_overrides(args) -> list[str]:
+    return [f"train.total_steps={args.steps}", f"train.prompts_per_step={args.prompts_per_step}",
+            f"rollout.n={args.n}", f"rollout.max_new_tokens={args.max_new_tokens}", f"train.lr={args.lr}",
+            f"algo.dynamic_sampling={'true' if args.dynamic_sampling else 'false'}", "train.eval_interval=0",
+            f"model.cache_dir={args.cache_dir}"]
+
+
+def run_prorl(args, work: Path) -> list[dict]:
+    os.environ.setdefault("RAY_AUTH_MODE", "token")  # before ray is imported: it caches the mode
+    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    import ray
+
+    from actors.driver import run
+    from prorl_async.config import load_config
+
+    tmp = tempfile.mkdtemp(prefix="prorl-bench-ray-", dir="/tmp")
+    ray.init(include_dashboard=False, _temp_dir=tmp, logging_level="WARNING",
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    out = []
+    try:
+        for s in [int(m) for m in args.modes.split(",")]:
+            run_dir = work / f"prorl-s{s}"
+            cfg = load_config(None, common_overrides(args) + [f"train.max_staleness={s}", f"run_dir={run_dir}",
+                                                              f"tracking.aim_repo={work / 'aim'}"])
+            t0 = time.time()
+            summary = run(cfg)
+            total = time.time() - t0
+            hist = [json.loads(x) for x in (run_dir / "history.jsonl").read_text().splitlines() if x]
+            out.append({"system": f"prorl-async (max_staleness={s})", "max_staleness": s,
+                        "train_wall_s": hist[-1]["time"], "total_wall_s": total, "steps": summary["steps"],
+                        "generated_samples": sum(h["perf/samples_s"] * h["perf/step_s"] for h in hist),
+                        "trained_samples": summary["steps"] * cfg.samples_per_step,
+                        "curve": [(h["step"], h["time"], h["reward/mean"]) for h in hist],
+                        "val_before": summary["before"]["val/pass@1"], "val_after": summary["after"]["val/pass@1"]})
+    finally:
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def run_trl(args, work: Path) -> dict:
+    t_total = time.time()
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from prorl_async.config import load_config
+    from prorl_async.data.datasets import load_rows
+    from prorl_async.models import load_model, load_tokenizer, resolve_model_path
+    from prorl_async.rewards.arithmetic import verify
+
+    cfg = load_config(None, common_overrides(args))
+    model_path = resolve_model_path(cfg.model, seed=cfg.train.seed)
+    rows = load_rows(cfg.data.train)
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+
+    def arithmetic_reward(prompts, completions, answer, **_):
+        return [verify({"answer": a}, c).reward for c, a in zip(completions, answer)]
+
+    batch = args.prompts_per_step * args.n
+    gcfg = GRPOConfig(
+        output_dir=str(work / "trl"), max_steps=args.steps, per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1, steps_per_generation=1, num_generations=args.n,
+        max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
+        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        beta=cfg.algo.kl_coef, epsilon=cfg.algo.clip_eps_low, epsilon_high=cfg.algo.clip_eps_high,
+        loss_type="dapo", scale_rewards="batch", num_iterations=1, use_cpu=True, bf16=cfg.model.autocast_bf16 and not args.trl_fp32,
+        logging_steps=1, save_strategy="no", report_to="none", seed=cfg.train.seed, disable_dropout=True,
+        dataloader_num_workers=0)
+    times: list[float] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, *_, **__):
+            times.append(time.time())
+
+    model = load_model(model_path, cfg.model.dtype)
+    trainer = GRPOTrainer(model=model, reward_funcs=arithmetic_reward, args=gcfg, train_dataset=dataset,
+                          processing_class=load_tokenizer(model_path), callbacks=[StepClock()])
+    t0 = time.time()
+    trainer.train()
+    train_wall = time.time() - t0
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    curve = [(int(h["step"]), times[i] - t0 if i < len(times) else None, float(h["reward"]))
+             for i, h in enumerate(logs)]
+    return {"system": "TRL GRPOTrainer", "max_staleness": None, "train_wall_s": train_wall,
+            "total_wall_s": time.time() - t_total, "steps": trainer.state.global_step,
+            "generated_samples": trainer.state.global_step * batch, "trained_samples": trainer.state.global_step * batch,
+            "curve": curve, "torch_threads": torch.get_num_threads(), "trl_version": __import__("trl").__version__}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="prorl-bench-trl-", dir="/tmp"))
+    results = run_prorl(args, work) if args.modes else []
+    trl_error = None
+    try:
+        results.append(run_trl(args, work))
+    except Exception as e:  # report exactly why TRL could not run, keep prorl-async's numbers
+        trl_error = f"{type(e).__name__}: {e}"
+        print(f"TRL failed: {trl_error}", flush=True)
+    trl = next((r for r in results if r["system"].startswith("TRL")), None)
+    for r in results:
+        r["samples_s"] = r["trained_samples"] / r["train_wall_s"]
+        r["reward_mean"] = sum(c[2] for c in r["curve"]) / max(len(r["curve"]), 1)
+        r["reward_last5"] = sum(c[2] for c in r["curve"][-5:]) / max(len(r["curve"][-5:]), 1)
+        if trl:
+            r["wall_ratio_vs_trl"] = r["train_wall_s"] / trl["train_wall_s"]
+            r["total_ratio_vs_trl"] = r["total_wall_s"] / trl["total_wall_s"]
+    print()
+    print(table(results, [("system", "system", "{}"), ("steps", "steps", "{:d}"),
+                          ("trained_samples", "trained samples", "{:.0f}"), ("generated_samples", "generated", "{:.0f}"),
+                          ("train_wall_s", "train wall s", "{:.1f}"), ("samples_s", "samples/s", "{:.0f}"),
+                          ("wall_ratio_vs_trl", "wall / TRL", "{:.2f}"), ("total_wall_s", "total wall s", "{:.1f}"),
+                          ("total_ratio_vs_trl", "total / TRL", "{:.2f}"), ("reward_mean", "reward mean", "{:.3f}"),
+                          ("reward_last5", "reward last 5", "{:.3f}")]))
+    print(f"\n(machine: {machine()['cpu']}, {os.cpu_count()} cores; same model, task, group size {args.n}, "
+          f"{args.prompts_per_step} prompts x {args.n} per step, {args.steps} steps)")
+    payload = {"benchmark": "trl", "machine": machine(), "args": {**vars(args), "out": str(args.out)},
+               "trl_error": trl_error, "results": results}
+    path = write_json("bench_trl", payload, args.out)
+    plot(results, args.out / "bench_trl.png")
+    print(f"wrote {path} and {args.out / 'bench_trl.png'}")
+    shutil.rmtree(work, ignore_errors=True)
+    return payload
+
+
+def plot(results, path):
+    pyplot = plt()
+    fig, ax = pyplot.subplots(1, 3, figsize=(16, 4.5))
+    for j, r in enumerate(results):
+        c = r["curve"]
+        ax[0].plot([p[0] for p in c], [p[2] for p in c], marker=".", color=f"C{j}", label=r["system"])
+        ax[1].plot([p[1] for p in c if p[1] is not None], [p[2] for p in c if p[1] is not None], marker=".",
+                   color=f"C{j}", label=r["system"])
+    ax[0].set(xlabel="step", ylabel="mean reward of the step's samples", title="reward vs step")
+    ax[1].set(xlabel="training wall time (s)", ylabel="mean reward", title="reward vs wall time")
+    ax[2].bar([r["system"].replace(" (", "\n(") for r in results], [r["train_wall_s"] for r in results],
+              color=[f"C{j}" for j in range(len(results))])
+    ax[2].set(ylabel="seconds", title="training wall time, same work")
+    for a in ax[:2]:
+        a.legend(fontsize=8)
+    ax[2].tick_params(axis="x", labelsize=8)
+    fig.suptitle(f"prorl-async vs TRL GRPOTrainer, built-in tiny model, {machine()['cpu']} ({os.cpu_count()} cores)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
