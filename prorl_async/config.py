@@ -317,6 +317,10 @@ def validate(cfg: Config) -> None:
              f"must divide train.prompts_per_step={t.prompts_per_step} (got {t.num_learners}); groups are not split across learners")
     _require(r.tensor_parallel_size >= 1 and (r.tensor_parallel_size == 1 or r.engine == "vllm"), "rollout.tensor_parallel_size",
              f"must be >= 1, and > 1 only with rollout.engine=vllm; got {r.tensor_parallel_size}")
+    _require(r.generator_num_gpus <= 1 or float(r.generator_num_gpus).is_integer(), "rollout.generator_num_gpus",
+             f"above 1 must be a whole number (one placement-group bundle on one node), got {r.generator_num_gpus}")
+    _require(r.tensor_parallel_size == 1 or r.generator_num_gpus in (0, r.tensor_parallel_size), "rollout.generator_num_gpus",
+             f"must equal rollout.tensor_parallel_size={r.tensor_parallel_size} on GPU (one GPU per TP rank), got {r.generator_num_gpus}")
 
 
 def describe(cls=Config, prefix: str = "") -> list[str]:
