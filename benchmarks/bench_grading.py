@@ -6,15 +6,23 @@ with some prose, reference programs for code). Modes:
 
 * ``in-process``: ``prorl_async.rewards.grade`` in a loop in this process (one core). For code
   this runs every program in the real sandbox (a fresh namespaced process tree per response).
+  For math also with the verdict caches cleared before every sample (the cost of one
+  Math-Verify parse + verify, with no repeated answers), on the built-in rows (mostly integer
+  answers) and on a fixed set of harder forms (symbolic, sets, intervals, roots).
 * ``plain exec (UNSAFE, no sandbox)``: code only. The same programs ``exec``-ed in this process
   with stdin/stdout redirected: what the sandbox costs, not something to run on model output.
 * ``pool``: :class:`prorl_async.rewards.pool.GraderPool` with ``--workers`` processes (chunked
   IPC, kill-based time limit), whole batch per ``grade_many`` call; ``mixed`` interleaves all
   domains in one batch.
 
-Every mode is timed after one warm-up batch (Math-Verify's import and first parse, worker
-start-up). Output: a table, ``benchmarks/out/grading.json`` and ``benchmarks/out/grading.png``.
-The machine is shared: the load average at start is recorded with the numbers.
+Every mode is timed after a warm-up batch of train-split rows (Math-Verify's import and first
+parse, worker start-up); the timed rows are eval split (disjoint prompts), and the in-process
+math caches are cleared before timing: the math verifier caches verdicts per (gold, answer),
+so re-grading the same rows would flatter it. Repeated (gold, answer) pairs inside the timed
+batch do hit the cache, as the n samples of a group do in training.
+
+Output: a table, ``benchmarks/out/grading.json`` and ``benchmarks/out/grading.png``. The machine
+is shared: the load average at start is recorded with the numbers.
 """
 
 from __future__ import annotations
@@ -50,6 +58,14 @@ REFERENCE = {
                          + ("    return nums[k:] + nums[:k]\n" if m["direction"] == "left"
                             else "    return nums[len(nums) - k:] + nums[:len(nums) - k]\n")),
 }
+# harder math: LaTeX forms Math-Verify has to work for (symbolic, sets, intervals, roots), cycled
+HARD_MATH = [
+    ("\\frac{\\sqrt{3}}{3}", "\\boxed{\\frac{1}{\\sqrt{3}}}"), ("x^2+2x+1", "\\boxed{(x+1)^2}"),
+    ("[1,2)", "\\boxed{[1, 2)}"), ("\\{1,2,3\\}", "\\boxed{\\{3, 1, 2\\}}"),
+    ("2\\sqrt{2}", "\\boxed{\\sqrt{8}}"), ("50\\%", "\\boxed{0.5}"), ("3+2i", "\\boxed{3-2i}"),
+    ("\\frac{\\pi}{2}", "\\boxed{\\pi/2}"), ("e^2", "\\boxed{2e}"), ("(-\\infty, 3]", "\\boxed{(-\\infty,3)}"),
+    ("\\frac{x}{2}", "\\boxed{0.5x}"), ("2x+2", "\\boxed{2x+1}"),
+]
 INSTRUCTION_TEXTS = [
     "here is a short note about the topic. it is quiet and simple.\n\nthe light was warm.",
     "* First point about the morning\n* Second point, with water\n* Third point",
@@ -71,10 +87,10 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def make_batch(domain: str, n: int, seed: int) -> tuple[list[dict], list[str]]:
+def make_batch(domain: str, n: int, seed: int, split: str = "eval") -> tuple[list[dict], list[str]]:
     from prorl_async.data.datasets import load_rows
 
-    rows = load_rows(f"builtin:{domain}?n={n}&seed={seed}&split=eval")
+    rows = load_rows(f"builtin:{domain}?n={n}&seed={seed}&split={split}")
     responses = []
     for i, r in enumerate(rows):
         right = i % 2 == 0
@@ -130,6 +146,7 @@ def timed(fn, n) -> dict:
 def main(argv=None):
     args = parse_args(argv)
     from prorl_async.rewards import grade
+    from prorl_async.rewards import math as math_verifier
     from prorl_async.rewards.pool import GraderPool
     from prorl_async.rewards.sandbox import isolation_mode
 
@@ -137,19 +154,50 @@ def main(argv=None):
     info = machine()
     info["sandbox_isolation"] = isolation_mode()
     batches = {d: make_batch(d, max(4, int(DEFAULT_N[d] * args.scale)), args.seed) for d in domains}
+    if "math" in batches:
+        rows, responses = batches["math"]
+        pairs = {(str(r["answer"]), s.rsplit("boxed{", 1)[-1]) for r, s in zip(rows, responses)}
+        info["math_distinct_gold_answer_pairs"] = f"{len(pairs)} of {len(rows)}"
     results = []
 
+    # warm-ups use train-split rows (the timed rows are eval split, disjoint prompts): the math
+    # verifier caches verdicts per (gold, answer), so warming up on the timed rows would flatter it
+    warm = {d: make_batch(d, max(4, len(batches[d][0]) // 10), args.seed, "train") for d in domains}
     for d in domains:  # in-process, serial
         rows, responses = batches[d]
-        k = max(2, len(rows) // 20)
-        for r, s in zip(rows[:k], responses[:k]):  # warm-up
+        for r, s in zip(*warm[d]):
             grade(r, s)
+        math_verifier._equivalent.cache_clear()
+        math_verifier._parsed_gold.cache_clear()
         res = timed(lambda: [grade(r, s) for r, s in zip(rows, responses)], len(rows))
         label = "in-process (sandboxed)" if d == "code" else "in-process"
         results.append({"domain": d, "mode": label, **res})
         print(f"{d:12s} {label:32s} {res['responses_per_s']:10.1f} responses/s", flush=True)
+        if d == "math":  # the cost of one parse + verify: caches cleared before every sample
+            def cold():
+                for r, s in zip(rows, responses):
+                    math_verifier._equivalent.cache_clear()
+                    math_verifier._parsed_gold.cache_clear()
+                    grade(r, s)
+            res = timed(cold, len(rows))
+            label = "in-process, caches cleared per sample"
+            results.append({"domain": d, "mode": label, **res})
+            print(f"{d:12s} {label:32s} {res['responses_per_s']:10.1f} responses/s", flush=True)
+        if d == "math":
+            hard = [({"id": f"h{i}", "domain": "math", "prompt": "?", "answer": g}, resp)
+                    for i, (g, resp) in enumerate(HARD_MATH * 5)]
+
+            def cold_hard():
+                for r, s in hard:
+                    math_verifier._equivalent.cache_clear()
+                    math_verifier._parsed_gold.cache_clear()
+                    grade(r, s)
+            res = timed(cold_hard, len(hard))
+            label = "in-process, hard forms, caches cleared"
+            results.append({"domain": d, "mode": label, **res})
+            print(f"{d:12s} {label:32s} {res['responses_per_s']:10.1f} responses/s", flush=True)
         if d == "code":
-            plain_exec_code(rows[:k], responses[:k])
+            plain_exec_code(*warm[d])
             res = timed(lambda: plain_exec_code(rows, responses), len(rows))
             results.append({"domain": d, "mode": "plain exec (UNSAFE, no sandbox)", **res})
             print(f"{d:12s} {'plain exec (UNSAFE, no sandbox)':32s} {res['responses_per_s']:10.1f} responses/s",
@@ -159,8 +207,7 @@ def main(argv=None):
         label = f"pool ({args.workers} workers)"
         for d in domains:
             rows, responses = batches[d]
-            k = max(2 * args.workers, len(rows) // 10)
-            pool.grade_many(rows[:k], responses[:k])  # warm-up: every worker's first batch
+            pool.grade_many(*warm[d])  # warm-up: worker start, first-use imports
             res = timed(lambda: pool.grade_many(rows, responses), len(rows))
             results.append({"domain": d, "mode": label, **res})
             print(f"{d:12s} {label:32s} {res['responses_per_s']:10.1f} responses/s", flush=True)

@@ -273,41 +273,41 @@ def _children():
 
 
 def _kill_others(mode, child_pgid):
+    """SIGKILL everything the test case left behind and reap it.
+
+    Namespaced modes: ``kill(-1)`` from pid 1 reaches every other process of the namespace.
+    ``none``: we are a child subreaper, so whatever T left behind (even after ``setsid``) is
+    re-parented to us when its parent dies; kill our children until none are left. Reaping is
+    non-blocking: a process re-parented to us after a scan is found by the next one.
+    """
     if mode == "none":
-        # no pid namespace: we are a child subreaper, so whatever T left behind (even after
-        # setsid) is re-parented to us; kill our children until none are left
         try:
             os.killpg(child_pgid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        for _ in range(100):
-            kids = _children()
-            if not kids:
-                break
-            for pid in kids:
+    deadline = time.monotonic() + 5.0
+    while True:
+        if mode == "none":
+            for pid in _children():
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            while True:
-                try:
-                    os.waitpid(-1, 0)
-                except ChildProcessError:
-                    break
-                except InterruptedError:
-                    continue
-    else:
-        try:
-            os.kill(-1, signal.SIGKILL)  # every process of the namespace we may signal, except us
-        except ProcessLookupError:
-            pass
-    while True:  # reap (in a pid namespace, orphans are ours as pid 1)
-        try:
-            pid, _ = os.waitpid(-1, 0)
-        except ChildProcessError:
-            break
-        except InterruptedError:
-            continue
+        else:
+            try:
+                os.kill(-1, signal.SIGKILL)  # every process we may signal, except ourselves
+            except ProcessLookupError:
+                pass
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return  # no children left
+            if pid == 0:
+                break  # some are still dying
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.002)
 
 
 def run_case(job, case, budget_s, workdir):

@@ -9,7 +9,9 @@ Extraction (our code, deliberately strict so that the policy learns one format):
 3. otherwise the response has no answer: reward 0, valid, reason ``no_answer``.
 
 Equivalence: ``math_verify.parse`` on the gold answer and on the extracted answer (as LaTeX
-``$...$``, then as a plain expression), then ``math_verify.verify(gold, pred)``. Math-Verify
+``$...$``, then as a plain expression), then ``math_verify.verify(gold, pred)``. Parsed gold
+answers and (gold, answer) verdicts are cached per process (LRU), since the n samples of a
+group share their gold answer and often their final answer. Math-Verify
 handles fractions vs decimals, ``\frac``/``\dfrac``, ``\sqrt``, percentages, ``\text{}`` units,
 intervals, sets, and symbolic equivalence through SymPy (Kydlíček et al., Math-Verify,
 github.com/huggingface/Math-Verify).
@@ -24,6 +26,7 @@ per-sample limit of :class:`prorl_async.rewards.pool.GraderPool`; a killed sampl
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 
@@ -73,22 +76,37 @@ def _parse(text: str, as_gold: bool):
     return parsed
 
 
-def verify(row: dict, response: str, **options) -> Grade:
+@functools.lru_cache(maxsize=4096)
+def _parsed_gold(text: str):
+    return _parse(text, as_gold=True)
+
+
+@functools.lru_cache(maxsize=65536)
+def _equivalent(gold_text: str, answer: str) -> bool | None:
+    """True/False, or None when the answer does not parse. Cached: the n samples of a group
+    share one gold answer and often the same final answer."""
     from math_verify import verify as mv_verify
 
+    pred = _parse(answer, as_gold=False)
+    if not pred:
+        return None
+    return bool(mv_verify(_parsed_gold(gold_text), pred, timeout_seconds=None))
+
+
+def verify(row: dict, response: str, **options) -> Grade:
     _quiet_math_verify()
     gold_text = row.get("answer")
     if gold_text is None or (isinstance(gold_text, str) and not gold_text.strip()):
         return invalid("math", "malformed_row:missing answer")
-    gold = _parse(str(gold_text).strip(), as_gold=True)
-    if not gold:
+    gold_text = str(gold_text).strip()
+    if not _parsed_gold(gold_text):
         return invalid("math", "malformed_row:gold answer does not parse")
     answer = extract_answer(response)
     if answer is None or len(answer) > _MAX_ANSWER_CHARS:
         return Grade(0.0, True, "no_answer", "math")
-    pred = _parse(answer, as_gold=False)
-    if not pred:
+    same = _equivalent(gold_text, answer)
+    if same is None:
         return Grade(0.0, True, "unparseable_answer", "math")
-    if mv_verify(gold, pred, timeout_seconds=None):
+    if same:
         return Grade(1.0, True, "correct", "math")
     return Grade(0.0, True, "wrong", "math")

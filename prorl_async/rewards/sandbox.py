@@ -41,8 +41,18 @@ Isolation modes (``isolation=``), chosen by :func:`isolation_mode` for ``"auto"`
     directory as cwd. **No network or filesystem isolation.** Used only when neither namespace
     mode works; a warning is logged once.
 
+What was checked on the development machine (root with CAP_SYS_ADMIN, no CAP_SYS_RESOURCE,
+kernel 6.x, user namespaces enabled): ``unshare`` of mount/net/pid/ipc/uts namespaces works
+for root, and inside a user namespace too. RLIMIT_NPROC set on a root process has no effect
+(a program spawning 50 ``sleep`` children got all 50 in ``userns`` mode run as root, where
+uid 0 maps to the real root); after the switch to a leased uid in ``root`` mode the same
+program got 14 (limit 16, minus the harness and the program itself). A fork bomb then stays
+at the limit and is killed at the wall-clock limit. ``connect()`` to a live server on
+127.0.0.1 fails with ENETUNREACH and the server sees nothing.
+
 Not done: seccomp filtering (the network namespace already blocks sockets), cgroup memory
-accounting (RLIMIT_AS x RLIMIT_NPROC bounds the total instead).
+accounting (RLIMIT_AS x RLIMIT_NPROC bounds the total instead), and ``userns`` mode has not
+been run by a non-root user here (the interpreter lives under /root, mode 0700).
 """
 
 from __future__ import annotations

@@ -141,8 +141,8 @@ def test_builtin_multidomain_is_deterministic_and_covers_all_domains():
 
 
 def test_builtin_train_and_eval_are_disjoint():
-    train = load_rows("builtin:multidomain?n=1000&seed=0&split=train")
-    evals = load_rows("builtin:multidomain?n=400&seed=9&split=eval")
+    train = load_rows("builtin:multidomain?n=600&seed=0&split=train")
+    evals = load_rows("builtin:multidomain?n=250&seed=9&split=eval")
     assert {r["prompt"] for r in train}.isdisjoint({r["prompt"] for r in evals})
     assert all(builtin.split_of(r["prompt"]) == "eval" for r in evals)
 

@@ -157,3 +157,12 @@ def test_works_off_the_main_thread():
     t.start()
     t.join(60)
     assert out and out[0].reward == 1.0
+
+
+def test_group_samples_share_cached_verdicts():
+    from prorl_async.rewards.math import _equivalent
+
+    before = _equivalent.cache_info().hits
+    for _ in range(4):  # the n samples of one group, same final answer
+        assert grade(row("\\frac{5}{7}"), "work... \\boxed{10/14}").reward == 1.0
+    assert _equivalent.cache_info().hits == before + 3
