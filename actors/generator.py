@@ -1,13 +1,14 @@
 """Generator actor: an engine, a policy version, and the receive side of weight sync.
 
 Threaded (``max_concurrency=2``) so a weight broadcast can be received into staging memory
-while a request is being generated; staged weights are applied at the next request
-boundary, so every response is produced by exactly one policy version, which it carries.
+while a request is being generated. The engine owns the receive side of weight sync
+(:mod:`prorl_async.engines`): staged weights are applied at the next request boundary, so
+every response is produced by one policy version, which it carries (with vLLM's optional
+in-flight updates a response records the version of its first token).
 """
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 
@@ -16,7 +17,6 @@ import torch
 
 from prorl_async.data.schema import rollout_batch
 from prorl_async.engines import SamplingSpec, make_engine
-from prorl_async.learners.weight_sync import WeightSyncGroup, tensor_checksum
 
 
 def encode_prompt(tokenizer, prompt) -> list[int]:
@@ -32,45 +32,41 @@ class GeneratorActor:
     def __init__(self, cfg, model_path: str, index: int):
         torch.set_num_threads(cfg.train.num_threads)
         self.cfg, self.index = cfg, index
-        self.engine = make_engine(cfg.rollout.engine, model_path, dtype=cfg.model.dtype)
+        r = cfg.rollout
+        self.engine = make_engine(r.engine, model_path, dtype=cfg.model.dtype, seed=r.seed * 7919 + index,
+                                  tensor_parallel_size=r.tensor_parallel_size,
+                                  inflight_weight_updates=r.inflight_weight_updates,
+                                  gpu_memory_utilization=r.gpu_memory_utilization)
         self.tokenizer = self.engine.tokenizer
-        self.version = 0          # version of the weights in use
-        self._staged = None       # (version, [(name, tensor)]) received, not yet applied
-        self._lock = threading.Lock()
-        self._sync = None
         self._requests = 0
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
 
     def ready(self) -> int:
         return self.index
 
-    # ------------------------------------------------------------------ weights
+    # ------------------------------------------------------------------ weights (the engine does the work)
+    def weight_sync_ranks(self) -> int:
+        return self.engine.weight_sync_ranks
+
     def init_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str) -> bool:
-        self._sync = WeightSyncGroup(host, port, rank, world_size, backend, self.cfg.train.sync_timeout_s)
-        return True
+        return self.engine.init_weight_sync(host, port, rank, world_size, backend, self.cfg.train.sync_timeout_s)
 
     def receive_weights(self) -> dict:
-        shapes = [(n, tuple(t.shape), t.dtype) for n, t in self.engine.named_tensors()]
-        t0 = time.perf_counter()
-        version, tensors = self._sync.receive(shapes)
-        with self._lock:
-            self._staged = (version, [(n, t.clone()) for n, t in tensors])
-        return {"version": version, "seconds": time.perf_counter() - t0}
-
-    def _apply_staged(self) -> None:
-        with self._lock:
-            staged, self._staged = self._staged, None
-        if staged is not None:
-            self.engine.load_weights(staged[1])
-            self.version = staged[0]
+        return self.engine.receive_weights()
 
     def weights_checksum(self) -> tuple[int, float]:
-        self._apply_staged()
-        return self.version, tensor_checksum([t for _, t in self.engine.named_tensors()])
+        return self.engine.weights_checksum()
+
+    def abort(self) -> None:
+        if hasattr(self.engine, "abort"):
+            self.engine.abort()
 
     # ------------------------------------------------------------------ generation
     def generate(self, rows: list[dict], n: int, seed: int, greedy: bool = False):
         """One request: ``n`` samples for each row -> a RecordBatch in the rollout schema."""
-        self._apply_staged()
         r = self.cfg.rollout
         spec = SamplingSpec(n=n, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                             seed=seed, greedy=greedy)
@@ -90,7 +86,7 @@ class GeneratorActor:
                 cols["prompt_ids"].append(pids)
                 cols["response_ids"].append(c.token_ids)
                 cols["behavior_logprobs"].append(c.logprobs)
-                cols["policy_version"].append(self.version)
+                cols["policy_version"].append(c.policy_version)
                 cols["finish_reason"].append(c.finish_reason)
                 cols["gen_time_s"].append(dt / max(1, len(rows) * n))
                 cols["response_text"].append(self.tokenizer.decode(c.token_ids, skip_special_tokens=True))

@@ -22,3 +22,5 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "abort"
+    policy_version: int = 0       # weights version of the first response token
+    policy_version_end: int = 0   # ... and of the last (differs only with in-flight weight updates)

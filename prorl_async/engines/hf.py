@@ -11,11 +11,13 @@ top_p = 1).
 from __future__ import annotations
 
 import threading
+import time
 from typing import Iterable
 
 import torch
 
 from prorl_async.engines.base import Completion, SamplingSpec
+from prorl_async.learners.weight_sync import WeightSyncGroup, tensor_checksum
 from prorl_async.models import load_model, load_tokenizer
 
 
@@ -25,10 +27,16 @@ class HFEngine:
         self.model = load_model(model_path, dtype).to(device).eval()
         self.device = device
         self._lock = threading.Lock()  # weights change only between requests
+        self.version = 0                # version of the weights in use
+        self.weight_sync_ranks = 1
+        self._staged = None             # (version, [(name, tensor)]) received, not yet applied
+        self._sync = None
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], spec: SamplingSpec) -> list[list[Completion]]:
+        self._apply_staged()
+        version = self.version
         tok = self.tokenizer
         flat = [p for p in prompt_ids for _ in range(spec.n)]
         width = max(map(len, flat))
@@ -55,14 +63,40 @@ class HFEngine:
         for row, lp in zip(seqs.tolist(), logp.tolist()):
             if eos in row:
                 end = row.index(eos) + 1
-                completions.append(Completion(row[:end], lp[:end], "stop"))
+                completions.append(Completion(row[:end], lp[:end], "stop", version, version))
             else:
-                completions.append(Completion(row, lp, "length"))
+                completions.append(Completion(row, lp, "length", version, version))
         return [completions[i * spec.n:(i + 1) * spec.n] for i in range(len(prompt_ids))]
 
     # ------------------------------------------------------------------ weights
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.model.named_parameters())
+
+    def init_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
+                         timeout_s: float = 120.0) -> bool:
+        self._sync = WeightSyncGroup(host, port, rank, world_size, backend, timeout_s)
+        return True
+
+    def receive_weights(self) -> dict:
+        """Receive one broadcast into staging; applied at the next request boundary."""
+        shapes = [(n, tuple(t.shape), t.dtype) for n, t in self.named_tensors()]
+        t0 = time.perf_counter()
+        version, tensors = self._sync.receive(shapes)
+        with self._lock:
+            self._staged = (version, [(n, t.clone()) for n, t in tensors])
+        return {"version": version, "seconds": time.perf_counter() - t0, "applied": False}
+
+    def _apply_staged(self) -> None:
+        with self._lock:
+            staged, self._staged = self._staged, None
+        if staged is not None:
+            self.load_weights(staged[1])
+            self.version = staged[0]
+
+    def weights_checksum(self) -> tuple[int, float]:
+        """(version, checksum) of the weights in use; applies staged weights first."""
+        self._apply_staged()
+        return self.version, tensor_checksum([t.detach() for _, t in self.named_tensors()])
 
     @torch.no_grad()
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

