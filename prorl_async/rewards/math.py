@@ -16,7 +16,8 @@ handles fractions vs decimals, ``\frac``/``\dfrac``, ``\sqrt``, percentages, ``\
 intervals, sets, and symbolic equivalence through SymPy (Kydlíček et al., Math-Verify,
 github.com/huggingface/Math-Verify).
 
-Time limits. Math-Verify can hang on adversarial input (Math-Verify issue #65). Its own
+Time limits. Math-Verify can hang on adversarial input (Math-Verify issue #65; here, e.g.,
+``\boxed{10^{10^{10}}}`` makes SymPy evaluate a power tower for minutes). Its own
 timeouts use ``signal.alarm``, which raises ValueError off the main thread (a Ray actor's
 threads) and silently turns a timeout into ``False`` (a wrong answer). We therefore call it
 with ``parsing_timeout=None`` and ``timeout_seconds=None`` and rely on the hard, kill-based

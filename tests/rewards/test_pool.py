@@ -114,6 +114,13 @@ def test_first_math_sample_after_a_restart_is_not_timed_out(pool):
     assert [g.reason for g in pool.grade_many(rows, ["\\boxed{0.5}"] * 4)] == ["correct"] * 4
 
 
+def test_adversarial_math_that_hangs_sympy_is_killed(pool):
+    """A real Math-Verify hang (SymPy evaluating a power tower), not a test verifier."""
+    rows = [{"id": f"m{i}", "domain": "math", "prompt": "?", "answer": "2"} for i in range(3)]
+    grades = pool.grade_many(rows, ["\\boxed{2}", "\\boxed{10^{10^{10}}}", "\\boxed{3}"])
+    assert [(g.valid, g.reason) for g in grades] == [(True, "correct"), (False, "timeout"), (True, "wrong")]
+
+
 def test_real_domains_through_the_pool(pool):
     rows = [
         {"id": "m", "domain": "math", "prompt": "?", "answer": "\\frac{1}{2}"},
