@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -161,6 +162,7 @@ def head():
         yield h
     finally:
         killed = h.stop()
+        shutil.rmtree(h.tmp, ignore_errors=True)
         assert not _tagged_pids(h.tag), "processes of the test cluster survived SIGKILL"
         assert not killed, f"processes still running 30 s after the head stopped: {killed}"
 
@@ -225,13 +227,13 @@ def test_submit_short_training_job(head):
 
 
 PLACEMENT_SCRIPT = r"""
-import tempfile
+import os
 import ray
 from prorl_async.config import load_config
 from actors.driver import RunError, generator_placement
 
 ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, logging_level="ERROR",
-         _temp_dir=tempfile.mkdtemp(prefix="prp", dir="/tmp"))
+         _temp_dir=os.environ["PRORL_TEST_RAY_TMP"])
 try:
     opts, pg = generator_placement(load_config(None, ["rollout.generator_num_gpus=0"]), 0)
     assert pg is None and opts == {"num_cpus": 1.0, "num_gpus": 0.0}, opts
@@ -266,6 +268,11 @@ def test_generator_placement_group_strict_pack(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(PYTHONPATH=str(ROOT), HOME=str(tmp_path),
                RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))  # read when ray is imported
-    res = subprocess.run([sys.executable, "-c", PLACEMENT_SCRIPT], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=300)
+    ray_tmp = tempfile.mkdtemp(prefix="prp", dir="/tmp")  # short: unix socket paths
+    env["PRORL_TEST_RAY_TMP"] = ray_tmp
+    try:
+        res = subprocess.run([sys.executable, "-c", PLACEMENT_SCRIPT], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=300)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert res.returncode == 0 and "placement ok" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
