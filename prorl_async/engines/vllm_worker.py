@@ -67,8 +67,33 @@ class WeightSyncWorkerExtension:
         except Exception as e:  # the model may now hold meta tensors: never generate with it
             self._prorl_broken = f"in-place reload of weights version {version} failed: {e!r}"
             raise
+        self._refresh_tied_modules()
         self._prorl_version, self._prorl_checksum = version, checksum
         return version
+
+    def _refresh_tied_modules(self) -> None:
+        """Re-derive kernel-format copies of *tied* weights (e.g. ``lm_head`` tied to
+        ``embed_tokens``). The reload only post-processes modules whose checkpoint weights it
+        loaded; a tied head is skipped by the model's loader, so on the CPU backend its
+        prepacked GEMM weight would keep serving the old embedding."""
+        model = self.model_runner.get_model()
+        first: dict[int, str] = {}
+        tied: list[str] = []
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in first:
+                tied.append(name.rpartition(".")[0])
+            else:
+                first[id(p)] = name
+        if not tied:
+            return
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            for module_name in tied:
+                module = model.get_submodule(module_name)
+                method = getattr(module, "quant_method", None)
+                if method is not None and hasattr(method, "process_weights_after_loading"):
+                    method.process_weights_after_loading(module)
 
     def prorl_checksum(self) -> tuple[int, Optional[float]]:
         """(version, checksum of the applied weights in checkpoint layout)."""
