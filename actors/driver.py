@@ -32,7 +32,7 @@ from prorl_async.tracking import Tracker, progress_line
 
 from actors.generator import GeneratorActor
 from actors.grader import GraderActor
-from actors.learner import LearnerActor
+from actors.learner import start_learner
 from actors.replay_buffer import ReplayBufferActor
 
 log = logging.getLogger("prorl_async")
@@ -112,8 +112,7 @@ class Actors:
     @classmethod
     def start(cls, cfg: Config, model_path: str) -> "Actors":
         r, t = cfg.rollout, cfg.train
-        learner = LearnerActor.options(num_cpus=t.learner_num_cpus, num_gpus=t.learner_num_gpus,
-                                       max_restarts=0).remote(cfg, model_path)
+        learner = start_learner(cfg, model_path)  # one actor, or a data-parallel LearnerGroup
         placed = [generator_placement(cfg, i) for i in range(r.num_generators)]
         gens = [GeneratorActor.options(**opts, max_restarts=0).remote(cfg, model_path, i)
                 for i, (opts, _) in enumerate(placed)]
@@ -124,9 +123,10 @@ class Actors:
         if backend == "auto":
             backend = "nccl" if r.generator_num_gpus > 0 and t.learner_num_gpus > 0 else "gloo"
         host, port = ray.get(learner.sync_address.remote(), timeout=600)
-        world = 1 + len(gens)
+        ranks = ray.get([g.weight_sync_ranks.remote() for g in gens])  # a vLLM engine with TP=k takes k ranks
+        world = 1 + sum(ranks)
         ray.get([learner.init_weight_sync.remote(host, port, world, backend)]
-                + [g.init_weight_sync.remote(host, port, i + 1, world, backend) for i, g in enumerate(gens)],
+                + [g.init_weight_sync.remote(host, port, 1 + sum(ranks[:i]), world, backend) for i, g in enumerate(gens)],
                 timeout=t.sync_timeout_s)
         return cls(gens, grader, buffer, learner, [pg for _, pg in placed if pg is not None])
 

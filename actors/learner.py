@@ -1,4 +1,7 @@
-"""Learner actor: a shell over the torch learner plus the send side of weight sync."""
+"""Learner actors: a shell over a learner (torch or DeepSpeed, by ``train.learner``) plus the
+send side of weight sync, and :class:`LearnerGroup`, which runs ``train.num_learners``
+data-parallel learner actors in their own torch.distributed world (separate from the
+weight-sync group) behind the same calls the driver makes on a single learner."""
 
 from __future__ import annotations
 
@@ -11,12 +14,20 @@ from prorl_async.learners.weight_sync import WeightSyncGroup, free_port, local_i
 
 @ray.remote
 class LearnerActor:
-    def __init__(self, cfg, model_path: str):
+    def __init__(self, cfg, model_path: str, rank: int = 0, world_size: int = 1, master: tuple = ("127.0.0.1", 0)):
         torch.set_num_threads(cfg.train.num_threads)
-        self.cfg = cfg
+        self.cfg, self.rank = cfg, rank
         device = "cuda" if cfg.train.learner_num_gpus > 0 and torch.cuda.is_available() else "cpu"
-        self.learner = TorchLearner(cfg, model_path, device=device)
+        if cfg.train.learner == "deepspeed":
+            from prorl_async.learners.deepspeed import DeepSpeedLearner
+            self.learner = DeepSpeedLearner(cfg, model_path, device=device, rank=rank, world_size=world_size,
+                                            master_addr=master[0], master_port=master[1])
+        else:
+            self.learner = TorchLearner(cfg, model_path, device=device)
         self._sync = None
+
+    def ready(self) -> int:
+        return self.rank
 
     def sync_address(self) -> tuple[str, int]:
         host = local_ip()
@@ -30,7 +41,8 @@ class LearnerActor:
         return self.learner.train_step(table, step)
 
     def broadcast_weights(self) -> dict:
-        return self._sync.send(self.learner.named_tensors(), self.learner.version)
+        named = self.learner.named_tensors()  # a collective under ZeRO-3: every rank calls it
+        return self._sync.send(named, self.learner.version) if self.rank == 0 else {}
 
     def weights_checksum(self) -> tuple[int, float]:
         return self.learner.version, tensor_checksum([t for _, t in self.learner.named_tensors()])
@@ -39,5 +51,67 @@ class LearnerActor:
         return self.learner.observe_validation(step, score)
 
     def save_model(self, path: str) -> str:
+        if hasattr(self.learner, "save_model"):
+            return self.learner.save_model(path)
         self.learner.model.save_pretrained(path)
         return path
+
+
+@ray.remote
+class LearnerGroup:
+    """``n`` data-parallel learner actors; each trains on whole groups (prompt ids) of the batch."""
+
+    def __init__(self, cfg, model_path: str):
+        t = cfg.train
+        n = t.num_learners
+        opts = dict(num_cpus=t.learner_num_cpus, num_gpus=t.learner_num_gpus, max_restarts=0)
+        master = (local_ip(), free_port(local_ip()))  # the learners' own world, not the weight-sync group
+        self.members = [LearnerActor.options(**opts).remote(cfg, model_path, r, n, master) for r in range(n)]
+        ray.get([m.ready.remote() for m in self.members])
+        self.n = n
+
+    def sync_address(self):
+        return ray.get(self.members[0].sync_address.remote())
+
+    def init_weight_sync(self, host: str, port: int, world_size: int, backend: str) -> bool:
+        return ray.get(self.members[0].init_weight_sync.remote(host, port, world_size, backend))
+
+    def train_step(self, table, step: int) -> dict:
+        import numpy as np
+
+        pids = np.asarray(table.column("prompt_id").to_pylist())
+        groups = sorted(set(pids.tolist()))
+        shard_of = {g: i % self.n for i, g in enumerate(groups)}
+        shards = [table.filter(np.array([shard_of[p] == r for p in pids])) for r in range(self.n)]
+        results = ray.get([m.train_step.remote(s, step) for m, s in zip(self.members, shards)])
+        merged = dict(results[0])  # global quantities (whitening, token counts) are all-reduced already
+        for k in merged:
+            vals = [r.get(k) for r in results if isinstance(r.get(k), (int, float))]
+            if vals and k.startswith(("actor/", "is/", "kl/", "len/", "async/")):
+                merged[k] = float(sum(vals) / len(vals))  # per-rank means -> mean over ranks
+        merged["perf/num_learners"] = float(self.n)
+        return merged
+
+    def _all(self, method: str, *args):
+        return ray.get([getattr(m, method).remote(*args) for m in self.members])[0]
+
+    def broadcast_weights(self) -> dict:
+        return self._all("broadcast_weights")
+
+    def weights_checksum(self):
+        return self._all("weights_checksum")
+
+    def observe_validation(self, step: int, score: float):
+        return self._all("observe_validation", step, score)
+
+    def save_model(self, path: str) -> str:
+        return self._all("save_model", path)
+
+
+def start_learner(cfg, model_path: str):
+    """One learner actor, or a :class:`LearnerGroup` for ``train.num_learners > 1``."""
+    t = cfg.train
+    if t.num_learners == 1:
+        return LearnerActor.options(num_cpus=t.learner_num_cpus, num_gpus=t.learner_num_gpus,
+                                    max_restarts=0).remote(cfg, model_path)
+    return LearnerGroup.options(num_cpus=0, max_restarts=0).remote(cfg, model_path)

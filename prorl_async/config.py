@@ -313,6 +313,8 @@ def validate(cfg: Config) -> None:
     _require(t.eval_samples >= 1, "train.eval_samples", f"must be >= 1, got {t.eval_samples}")
     _require(t.learner in ("torch", "deepspeed"), "train.learner", f"must be torch or deepspeed, got {t.learner!r}")
     _require(t.zero_stage in (0, 1, 2, 3), "train.zero_stage", f"must be 0, 1, 2 or 3, got {t.zero_stage}")
+    _require(t.num_learners == 1 or t.learner == "deepspeed", "train.num_learners",
+             f"data-parallel learners (got {t.num_learners}) need train.learner=deepspeed")
     _require(t.num_learners >= 1 and t.prompts_per_step % t.num_learners == 0, "train.num_learners",
              f"must divide train.prompts_per_step={t.prompts_per_step} (got {t.num_learners}); groups are not split across learners")
     _require(r.tensor_parallel_size >= 1 and (r.tensor_parallel_size == 1 or r.engine == "vllm"), "rollout.tensor_parallel_size",
