@@ -10,6 +10,7 @@ strictly on-policy baseline through the same code.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import math
@@ -24,7 +25,7 @@ from typing import Optional
 import ray
 
 from prorl_async.config import Config, config_to_dict, save_config
-from prorl_async.data.datasets import load_rows
+from prorl_async.data.datasets import load_rows, mix
 from prorl_async.data.source import PromptSource
 from prorl_async.models import resolve_model_path
 from prorl_async.staleness import plan_requests
@@ -358,6 +359,14 @@ def prepare_run_dir(cfg: Config) -> Path:
     return run_dir
 
 
+def load_train_rows(cfg: Config) -> list[dict]:
+    if not cfg.data.mix:
+        return load_rows(cfg.data.train, strict=cfg.data.strict)
+    sources = {e["source"]: load_rows(e["source"], strict=cfg.data.strict) for e in cfg.data.mix}
+    weights = {e["source"]: float(e["weight"]) for e in cfg.data.mix}
+    return mix(sources, weights, cfg.data.mix_size, seed=cfg.data.shuffle_seed)
+
+
 def format_table(before: dict, after: dict) -> str:
     keys = [k for k in before if k in after]
     lines = [f"{'held-out metric':<28}{'before':>10}{'after':>10}{'change':>10}"]
@@ -372,7 +381,9 @@ def run(cfg: Config) -> dict:
     save_config(cfg, run_dir / "config.yaml")
     print(f"run directory: {run_dir}", flush=True)
     model_path = resolve_model_path(cfg.model, seed=cfg.train.seed)
-    train_rows = load_rows(cfg.data.train, strict=cfg.data.strict)
+    for module in cfg.reward.extra_modules:  # custom verifiers register their domains on import
+        importlib.import_module(module)
+    train_rows = load_train_rows(cfg)
     eval_rows = load_rows(cfg.data.eval, strict=cfg.data.strict)
     source = PromptSource(train_rows, seed=cfg.data.shuffle_seed)
     started = init_ray(cfg)

@@ -35,9 +35,9 @@ class ModelConfig:
     dtype: str = _f("float32", "parameter dtype of the policy: float32 or bfloat16")
     autocast_bf16: bool = _f(True, "run forward/backward under bf16 autocast where the CPU/GPU supports it")
     cache_dir: str = _f("", "where built-in models are cached (default: $PRORL_ASYNC_CACHE or ~/.cache/prorl-async)")
-    warmup_steps: int = _f(300, "supervised warm-up steps for the built-in model (0 = untrained)")
-    warmup_lr: float = _f(3e-3, "learning rate of the built-in model's supervised warm-up")
-    warmup_noise: float = _f(0.0, "fraction of warm-up demonstrations with a last-digit slip (imperfect SFT data)")
+    warmup_steps: int = _f(4000, "most supervised warm-up steps for the built-in model (0 = untrained)")
+    warmup_lr: float = _f(1e-3, "learning rate of the built-in model's supervised warm-up")
+    warmup_target_acc: float = _f(0.5, "the built-in model's warm-up stops at this greedy accuracy on train-split problems")
     hidden_size: int = _f(128, "built-in model width")
     num_layers: int = _f(2, "built-in model depth")
 
@@ -46,6 +46,8 @@ class ModelConfig:
 class DataConfig:
     train: str = _f("builtin:arithmetic?n=4000&seed=1&split=train", "training prompts: JSONL/Parquet path or builtin:<name>?n=&seed=&split=")
     eval: str = _f("builtin:arithmetic?n=200&seed=2&split=eval", "held-out prompts for evaluation (same formats)")
+    mix: list = _f([], "instead of data.train: a list of {source, weight} entries mixed by weight")
+    mix_size: int = _f(4000, "rows drawn for the training mix (data.mix)")
     strict: bool = _f(False, "abort on the first malformed dataset row instead of skipping it")
     shuffle_seed: int = _f(0, "seed of the per-epoch prompt shuffle")
 
@@ -95,18 +97,18 @@ class AlgoConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    total_steps: int = _f(60, "learner steps (policy versions) to run")
-    prompts_per_step: int = _f(32, "groups (prompts) per learner step")
+    total_steps: int = _f(120, "learner steps (policy versions) to run")
+    prompts_per_step: int = _f(64, "groups (prompts) per learner step")
     max_staleness: int = _f(1, "max policy versions between generation and training (0 = synchronous)")
     lr: float = _f(2e-4, "AdamW learning rate")
     weight_decay: float = _f(0.0, "AdamW weight decay")
-    warmup_lr_steps: int = _f(0, "linear LR warm-up steps")
+    warmup_lr_steps: int = _f(10, "linear LR warm-up steps")
     grad_clip: float = _f(1.0, "gradient norm clip")
-    mini_batches: int = _f(1, "optimizer steps per learner step (the batch is split into this many mini-batches)")
-    micro_batch_size: int = _f(256, "responses per forward/backward pass")
+    mini_batches: int = _f(4, "optimizer steps per learner step (the batch is split into this many mini-batches)")
+    micro_batch_size: int = _f(128, "responses per forward/backward pass")
     ppo_epochs: int = _f(1, "passes over each batch")
     seed: int = _f(0, "seed of the learner and of python/numpy/torch RNGs")
-    eval_interval: int = _f(20, "evaluate on the held-out split every N steps (0 = only before/after)")
+    eval_interval: int = _f(40, "evaluate on the held-out split every N steps (0 = only before/after)")
     eval_samples: int = _f(4, "samples per held-out prompt for pass@1 (mean) and pass@k")
     checkpoint_interval: int = _f(0, "checkpoint every N steps (0 = only at the end)")
     keep_last: int = _f(2, "checkpoints kept")
@@ -310,6 +312,11 @@ def validate(cfg: Config) -> None:
     _require(0 < cfg.reward.max_invalid_frac <= 1, "reward.max_invalid_frac", "must be in (0, 1]")
     _require(cfg.ray.weight_sync_backend in ("auto", "gloo", "nccl"), "ray.weight_sync_backend",
              f"must be auto, gloo or nccl, got {cfg.ray.weight_sync_backend!r}")
+    for i, entry in enumerate(cfg.data.mix):
+        _require(isinstance(entry, dict) and set(entry) == {"source", "weight"}, f"data.mix[{i}]",
+                 f"must be a mapping {{source: ..., weight: ...}}, got {entry!r}")
+        _require(isinstance(entry["weight"], (int, float)) and entry["weight"] > 0, f"data.mix[{i}].weight",
+                 f"must be a positive number, got {entry['weight']!r}")
     _require(t.eval_samples >= 1, "train.eval_samples", f"must be >= 1, got {t.eval_samples}")
     _require(t.learner in ("torch", "deepspeed"), "train.learner", f"must be torch or deepspeed, got {t.learner!r}")
     _require(t.zero_stage in (0, 1, 2, 3), "train.zero_stage", f"must be 0, 1, 2 or 3, got {t.zero_stage}")

@@ -52,76 +52,91 @@ def _tiny_config(tokenizer, hidden: int, layers: int):
                        pad_token_id=tokenizer.pad_token_id)
 
 
-def noisy_answer(answer: str, rng: random.Random, noise: float) -> str:
-    """With probability ``noise``, the demonstration's last digit is off by one (a slip)."""
-    if rng.random() >= noise:
-        return answer
-    last = (int(answer[-1]) + rng.choice((-1, 1))) % 10
-    return answer[:-1] + str(last)
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int = 6) -> float:
+    """Fraction of ``rows`` whose greedy completion starts with the right integer."""
+    from prorl_async.rewards import grade
+
+    was_training = model.training
+    model.eval()
+    enc = tokenizer([r["prompt"] for r in rows], return_tensors="pt", padding=True)
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    model.train(was_training)
+    return sum(grade(r, t).reward for r, t in zip(rows, texts)) / len(rows)
 
 
-def _warmup(model, tokenizer, steps: int, lr: float, seed: int, noise: float = 0.0, log=print) -> None:
-    """Supervised warm-up on train-split arithmetic: loss on the answer tokens only.
+def _warmup(model, tokenizer, max_steps: int, lr: float, seed: int, target_acc: float, log=print) -> int:
+    """Supervised warm-up on train-split arithmetic (loss on the answer tokens only) until the
+    greedy accuracy on held-back *train-split* problems reaches ``target_acc``.
 
-    The demonstrations are imperfect on purpose, as real SFT data is: a fraction ``noise``
-    of them carry a last-digit slip. The warmed-up policy therefore puts real probability on
-    both right and slightly wrong answers, which is exactly the situation where RL with a
-    verifier has signal to learn from.
+    Stopping on measured accuracy rather than after a fixed number of steps makes the starting
+    policy the same wherever it is built: this small model learns addition in a sharp phase
+    transition whose timing moves with floating-point details (thread count, CPU kernels).
+    The policy it leaves has partial success — the situation where RL with a verifier has
+    signal. Returns the number of steps taken.
     """
     from prorl_async.data import arithmetic
 
     rows = arithmetic.generate(20000, seed=seed + 1000, split="train")
+    probe, rows = rows[:200], rows[200:]
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     t0 = time.time()
-    for step in range(steps):
+    pad = tokenizer.pad_token_id
+    for step in range(max_steps):
         batch = rng.sample(rows, 64)
         ids, labels = [], []
         for r in batch:
             p = tokenizer(r["prompt"])["input_ids"]
-            target = noisy_answer(r["answer"], rng, noise)
-            a = tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            a = tokenizer(r["answer"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             ids.append(p + a)
             labels.append([-100] * len(p) + a)
         width = max(map(len, ids))
-        pad = tokenizer.pad_token_id
         x = torch.tensor([s + [pad] * (width - len(s)) for s in ids])
         y = torch.tensor([s + [-100] * (width - len(s)) for s in labels])
         att = (torch.arange(width)[None, :] < torch.tensor([len(s) for s in ids])[:, None]).long()
-        lr_now = lr * min(1.0, (step + 1) / 50) * (0.5 * (1 + torch.cos(torch.tensor(torch.pi * step / steps)).item()))
         for g in opt.param_groups:
-            g["lr"] = lr_now
+            g["lr"] = lr * min(1.0, (step + 1) / 50)
         loss = model(input_ids=x, attention_mask=att, labels=y).loss
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if (step + 1) % 100 == 0 or step + 1 == steps:
-            log(f"  warm-up step {step + 1}/{steps}  loss {loss.item():.3f}  ({time.time() - t0:.0f}s)")
+        if (step + 1) % 50 == 0:
+            acc = greedy_accuracy(model, tokenizer, probe)
+            log(f"  warm-up step {step + 1}  loss {loss.item():.3f}  greedy acc {acc:.2f}  ({time.time() - t0:.0f}s)")
+            if acc >= target_acc:
+                break
     model.eval()
+    return step + 1
 
 
 def build_tiny_arith(model_cfg, seed: int = 0, log=print) -> Path:
     """Build (or reuse from the cache) the built-in model; returns its HF folder."""
     from transformers import LlamaForCausalLM
 
-    key = json.dumps({"v": 1, "hidden": model_cfg.hidden_size, "layers": model_cfg.num_layers,
-                      "steps": model_cfg.warmup_steps, "lr": model_cfg.warmup_lr, "seed": seed,
-                      "noise": model_cfg.warmup_noise,
+    key = json.dumps({"v": 2, "hidden": model_cfg.hidden_size, "layers": model_cfg.num_layers,
+                      "max_steps": model_cfg.warmup_steps, "lr": model_cfg.warmup_lr, "seed": seed,
+                      "target": model_cfg.warmup_target_acc,
                       "chars": CHARS}, sort_keys=True)
     digest = hashlib.sha1(key.encode()).hexdigest()[:12]
     out = default_cache_dir(model_cfg.cache_dir) / f"tiny-arith-{digest}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
-    log(f"building the built-in model tiny-arith ({model_cfg.warmup_steps} warm-up steps) into {out}")
+    log(f"building the built-in model tiny-arith (supervised warm-up to greedy accuracy "
+        f"{model_cfg.warmup_target_acc:.2f}, at most {model_cfg.warmup_steps} steps) into {out}")
     torch.manual_seed(seed)
     tokenizer = build_char_tokenizer()
     model = LlamaForCausalLM(_tiny_config(tokenizer, model_cfg.hidden_size, model_cfg.num_layers))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a model this small gains nothing from more; oversubscribed threads crawl
     try:
-        _warmup(model, tokenizer, model_cfg.warmup_steps, model_cfg.warmup_lr, seed, model_cfg.warmup_noise, log)
+        if model_cfg.warmup_steps > 0:
+            _warmup(model, tokenizer, model_cfg.warmup_steps, model_cfg.warmup_lr, seed,
+                    model_cfg.warmup_target_acc, log)
     finally:
         torch.set_num_threads(threads)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
