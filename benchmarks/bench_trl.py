@@ -54,6 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=8, help="max completion length")
     p.add_argument("--lr", type=float, default=2e-4, help="learning rate (both)")
     p.add_argument("--modes", default="0,1", help="prorl-async train.max_staleness values to run ('' = TRL only)")
+    p.add_argument("--repeats", type=int, default=1, help="repeats; the order of prorl-async and TRL alternates")
     p.add_argument("--dynamic-sampling", action="store_true", help="prorl-async with dynamic sampling (its default)")
     p.add_argument("--trl-fp32", action="store_true", help="TRL without bf16 autocast (prorl-async's learner uses it)")
     p.add_argument("--cache-dir", default=os.environ.get("PRORL_ASYNC_CACHE", "/tmp/prorl-cache"),
@@ -156,13 +157,26 @@ def run_trl(args, work: Path) -> dict:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="prorl-bench-trl-", dir="/tmp"))
-    results = run_prorl(args, work) if args.modes else []
-    trl_error = None
-    try:
-        results.append(run_trl(args, work))
-    except Exception as e:  # report exactly why TRL could not run, keep prorl-async's numbers
-        trl_error = f"{type(e).__name__}: {e}"
-        print(f"TRL failed: {trl_error}", flush=True)
+    runs, trl_error = [], None
+    for rep in range(args.repeats):  # order alternates (prorl, TRL), (TRL, prorl), ... against load drift
+        parts = ["prorl", "trl"] if rep % 2 == 0 else ["trl", "prorl"]
+        for part in parts:
+            if part == "prorl" and args.modes:
+                runs += run_prorl(args, work / f"r{rep}")
+            elif part == "trl" and trl_error is None:
+                try:
+                    runs.append(run_trl(args, work / f"r{rep}"))
+                except Exception as e:  # report exactly why TRL could not run, keep prorl-async's numbers
+                    trl_error = f"{type(e).__name__}: {e}"
+                    print(f"TRL failed: {trl_error}", flush=True)
+    results = []
+    for name in dict.fromkeys(r["system"] for r in runs):  # mean over repeats; curves of the first
+        rs = [r for r in runs if r["system"] == name]
+        m = dict(rs[0])
+        for k in ("train_wall_s", "total_wall_s", "generated_samples"):
+            m[k] = sum(r[k] for r in rs) / len(rs)
+        m["train_wall_runs_s"] = [r["train_wall_s"] for r in rs]
+        results.append(m)
     trl = next((r for r in results if r["system"].startswith("TRL")), None)
     for r in results:
         r["samples_s"] = r["trained_samples"] / r["train_wall_s"]
@@ -181,7 +195,7 @@ def main(argv=None) -> dict:
     print(f"\n(machine: {machine()['cpu']}, {os.cpu_count()} cores; same model, task, group size {args.n}, "
           f"{args.prompts_per_step} prompts x {args.n} per step, {args.steps} steps)")
     payload = {"benchmark": "trl", "machine": machine(), "args": {**vars(args), "out": str(args.out)},
-               "trl_error": trl_error, "results": results}
+               "trl_error": trl_error, "results": results, "runs": runs}
     path = write_json("bench_trl", payload, args.out)
     plot(results, args.out / "bench_trl.png")
     print(f"wrote {path} and {args.out / 'bench_trl.png'}")
