@@ -1,6 +1,6 @@
 """Generator actor: an engine, a policy version, and the receive side of weight sync.
 
-Threaded (``max_concurrency=2``) so a weight broadcast can be received into staging memory
+Threaded (``max_concurrency=3``) so a weight broadcast can be received into staging memory
 while a request is being generated. The engine owns the receive side of weight sync
 (:mod:`prorl_async.engines`): staged weights are applied at the next request boundary, so
 every response is produced by one policy version, which it carries (with vLLM's optional
@@ -9,6 +9,7 @@ in-flight updates a response records the version of its first token).
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 
@@ -27,7 +28,7 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
     return tokenizer(prompt)["input_ids"]
 
 
-@ray.remote(max_concurrency=2)
+@ray.remote(max_concurrency=3)  # a request, a weight receive, and a group re-formation
 class GeneratorActor:
     def __init__(self, cfg, model_path: str, index: int):
         torch.set_num_threads(cfg.train.num_threads)
@@ -46,6 +47,10 @@ class GeneratorActor:
 
     def ready(self) -> int:
         return self.index
+
+    def stats(self) -> dict:
+        """Requests served by this incarnation of the actor, and its weights version."""
+        return {"requests": self._requests, "version": self.version, "pid": os.getpid()}
 
     # ------------------------------------------------------------------ weights (the engine does the work)
     def weight_sync_ranks(self) -> int:

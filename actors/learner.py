@@ -29,9 +29,10 @@ class LearnerActor:
     def ready(self) -> int:
         return self.rank
 
-    def sync_address(self) -> tuple[str, int]:
+    def sync_address(self, epoch: int = 1) -> tuple[str, int]:
+        """Where the weight-sync store listens; a fixed ``ray.weight_sync_port`` shifts by the group epoch."""
         host = local_ip()
-        return host, self.cfg.ray.weight_sync_port or free_port(host)
+        return host, (self.cfg.ray.weight_sync_port + epoch - 1) if self.cfg.ray.weight_sync_port else free_port(host)
 
     def init_weight_sync(self, host: str, port: int, world_size: int, backend: str) -> bool:
         self._sync = WeightSyncGroup(host, port, 0, world_size, backend, self.cfg.train.sync_timeout_s)
@@ -56,6 +57,23 @@ class LearnerActor:
         self.learner.model.save_pretrained(path)
         return path
 
+    def save_checkpoint(self, path: str, tokenizer_path: str = "") -> str:
+        """Learner state into a checkpoint directory being written (see prorl_async.checkpoint)."""
+        from prorl_async.checkpoint import write_learner
+
+        if not hasattr(self.learner, "state_dict"):
+            raise NotImplementedError(f"checkpoints are implemented for train.learner=torch only, "
+                                      f"not {self.cfg.train.learner}")
+        write_learner(self.learner, path, tokenizer_path)
+        return path
+
+    def load_checkpoint(self, path: str) -> int:
+        """Restore the learner from a checkpoint directory; returns its policy version."""
+        from prorl_async.checkpoint import read_learner
+
+        self.learner.load_state_dict(read_learner(path))
+        return self.learner.version
+
 
 @ray.remote
 class LearnerGroup:
@@ -70,8 +88,8 @@ class LearnerGroup:
         ray.get([m.ready.remote() for m in self.members])
         self.n = n
 
-    def sync_address(self):
-        return ray.get(self.members[0].sync_address.remote())
+    def sync_address(self, epoch: int = 1):
+        return ray.get(self.members[0].sync_address.remote(epoch))
 
     def init_weight_sync(self, host: str, port: int, world_size: int, backend: str) -> bool:
         return ray.get(self.members[0].init_weight_sync.remote(host, port, world_size, backend))
@@ -107,11 +125,21 @@ class LearnerGroup:
     def save_model(self, path: str) -> str:
         return self._all("save_model", path)
 
+    def save_checkpoint(self, path: str, tokenizer_path: str = "") -> str:
+        return self._all("save_checkpoint", path, tokenizer_path)
 
-def start_learner(cfg, model_path: str):
-    """One learner actor, or a :class:`LearnerGroup` for ``train.num_learners > 1``."""
+    def load_checkpoint(self, path: str) -> int:
+        return self._all("load_checkpoint", path)
+
+
+def start_learner(cfg, model_path: str, name: str = ""):
+    """One learner actor, or a :class:`LearnerGroup` for ``train.num_learners > 1``.
+
+    Not restartable (``max_restarts=0``): a dead learner fails the run at once, leaving the
+    last checkpoint as it was, rather than coming back without its optimizer state."""
     t = cfg.train
+    named = {"name": name} if name else {}
     if t.num_learners == 1:
         return LearnerActor.options(num_cpus=t.learner_num_cpus, num_gpus=t.learner_num_gpus,
-                                    max_restarts=0).remote(cfg, model_path)
-    return LearnerGroup.options(num_cpus=0, max_restarts=0).remote(cfg, model_path)
+                                    max_restarts=0, **named).remote(cfg, model_path)
+    return LearnerGroup.options(num_cpus=0, max_restarts=0, **named).remote(cfg, model_path)

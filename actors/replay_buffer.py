@@ -28,3 +28,10 @@ class ReplayBufferActor:
 
     def restore(self, table) -> None:
         self.buffer.restore(table)
+
+    def state_dict(self) -> dict:
+        return self.buffer.state_dict()
+
+    def load_state_dict(self, state: dict) -> int:
+        self.buffer.load_state_dict(state)
+        return len(self.buffer)

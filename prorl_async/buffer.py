@@ -102,7 +102,8 @@ class ReplayBuffer:
         groups = [heapq.heappop(self._heap) for _ in range(num_groups)]
         table = pa.Table.from_batches([g[2] for g in groups], schema=ROLLOUT_SCHEMA)
         self.counters["groups_taken"] += num_groups
-        return table, {"stale_dropped": stale, "taken": num_groups, "size": len(self._heap)}
+        keys = [f"{g[2].column('request_id')[0].as_py()}/{g[2].column('prompt_id')[0].as_py()}" for g in groups]
+        return table, {"stale_dropped": stale, "taken": num_groups, "size": len(self._heap), "groups": keys}
 
     def unconsumed(self) -> pa.Table:
         """Everything still waiting (for checkpoints and Parquet spills), oldest first."""
@@ -111,6 +112,18 @@ class ReplayBuffer:
     def restore(self, table: pa.Table) -> None:
         for batch in table.to_batches():
             self.put(batch)
+
+    def state_dict(self) -> dict:
+        """Unconsumed rows (oldest first) and the counters, for a checkpoint."""
+        return {"table": self.unconsumed(), "counters": dict(self.counters)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Back to a checkpoint's contents: the same groups in the same order, the same counters."""
+        self._heap.clear()
+        table = state["table"]
+        if table is not None and table.num_rows:
+            self.restore(table.select(ROLLOUT_SCHEMA.names).cast(ROLLOUT_SCHEMA).combine_chunks())
+        self.counters = Counter(state["counters"])
 
     def metrics(self) -> dict[str, float]:
         c = self.counters

@@ -2,6 +2,7 @@
 
     prorl-async train                                   # the embedded default (tiny CPU run)
     prorl-async train --config configs/x.yaml algo.clip_eps_high=0.28 rollout.n=8
+    prorl-async train --resume runs/x train.total_steps=400   # continue from its newest checkpoint
     prorl-async config [--config X] [overrides]         # print the resolved config / field docs
     prorl-async compare runs/a runs/b --out cmp.png     # runs side by side (run dirs or Aim hashes)
 
@@ -17,11 +18,29 @@ import sys
 from prorl_async.config import ConfigError, config_to_dict, describe, load_config
 
 
-def _train(args) -> int:
-    cfg = load_config(args.config, args.overrides)
-    from actors.driver import run  # Ray is imported only when a run starts
+def _resume(args):
+    """``--resume RUN_DIR``: the run's newest checkpoint and its config plus the overrides."""
+    from prorl_async.checkpoint import CheckpointError, load_latest, resume_config
 
-    summary = run(cfg)
+    if args.config:
+        raise CheckpointError("--resume uses the run's own config.yaml; pass only overrides, not --config")
+    ckpt = load_latest(args.resume)
+    cfg = resume_config(ckpt, args.resume, args.overrides)
+    if ckpt.step >= cfg.train.total_steps:
+        raise CheckpointError(f"{args.resume} is at step {ckpt.step} already (train.total_steps={cfg.train.total_steps}); "
+                              f"pass train.total_steps=<more> to continue")
+    return cfg, ckpt
+
+
+def _train(args) -> int:
+    cfg, resume = _resume(args) if args.resume else (load_config(args.config, args.overrides), None)
+    from actors.driver import RunError, run  # Ray is imported only when a run starts
+
+    try:
+        summary = run(cfg, resume=resume)
+    except RunError as e:  # a run that had to stop: one line, the checkpoint (if any) is intact
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0 if summary else 1
 
 
@@ -48,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="run training (default: the embedded tiny CPU run)")
     t.add_argument("--config", help="YAML config file (see configs/)")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest checkpoint (overrides: "
+                   "only fields that do not change the math or data, e.g. train.total_steps)")
     t.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. rollout.n=8")
     t.set_defaults(fn=_train)
     c = sub.add_parser("config", help="print the resolved config, or --docs for every field")

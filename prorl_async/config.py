@@ -64,6 +64,7 @@ class RolloutConfig:
     generator_num_cpus: float = _f(1.0, "CPUs Ray reserves per generator")
     generator_num_gpus: float = _f(0.0, "GPUs Ray reserves per generator")
     seed: int = _f(0, "base seed of the generators' samplers")
+    max_generator_failures: int = _f(3, "generator deaths survived (Ray restarts it, it is re-synced); one more stops the run")
     tensor_parallel_size: int = _f(1, "vLLM tensor-parallel GPUs per generator (each TP rank joins the weight-sync group)")
     inflight_weight_updates: bool = _f(False, "vLLM: apply new weights mid-request (pause, update, resume) instead of at the next request")
     gpu_memory_utilization: float = _f(0.85, "vLLM on GPU: fraction of GPU memory for weights and KV cache")

@@ -16,15 +16,25 @@ from typing import Optional
 
 
 class Tracker:
-    def __init__(self, repo: str, experiment: str, run_name: str, hparams: dict, enabled: bool = True):
+    def __init__(self, repo: str, experiment: str, run_name: str, hparams: dict, enabled: bool = True,
+                 run_hash: Optional[str] = None):
+        """``run_hash``: continue that Aim run (a resumed training run); a new run if it is gone."""
         self.run = None
         self.hash: Optional[str] = None
         if enabled:
             from aim import Run
 
             Path(repo).mkdir(parents=True, exist_ok=True)
-            self.run = Run(repo=str(repo), experiment=experiment, log_system_params=False,
-                           capture_terminal_logs=False)
+            if run_hash:
+                try:
+                    self.run = Run(run_hash=run_hash, repo=str(repo), log_system_params=False,
+                                   capture_terminal_logs=False)
+                except Exception as e:  # deleted, another repo, locked: metrics go to a new run
+                    print(f"warning: cannot continue Aim run {run_hash} ({type(e).__name__}: {e}); starting a new one",
+                          file=sys.stderr)
+            if self.run is None:
+                self.run = Run(repo=str(repo), experiment=experiment, log_system_params=False,
+                               capture_terminal_logs=False)
             self.run.name = run_name
             self.run["hparams"] = hparams
             self.hash = self.run.hash

@@ -9,7 +9,6 @@ environment.
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 import sys
 import tempfile
@@ -24,8 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def ray_cluster():
     import ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
-    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    from actors.driver import local_cluster_auth
+
+    local_cluster_auth()
     tmp = tempfile.mkdtemp(prefix="prorl-ray-", dir="/tmp")
     ray.init(num_cpus=4, include_dashboard=False, _temp_dir=tmp, logging_level="WARNING",
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})

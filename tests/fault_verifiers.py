@@ -2,7 +2,7 @@
 
 Domain ``flaky`` grades like ``arithmetic`` except: a prompt whose first operand ends in 3
 makes the verifier raise, one ending in 7 makes it sleep forever (the pool must kill it at
-``reward.timeout_s``). Used to show that grader failures mark samples invalid and the run
+``reward.timeout_s``), one ending in 5 returns a NaN reward. Used to show that grader failures mark samples invalid and the run
 goes on.
 """
 
@@ -22,3 +22,14 @@ def flaky(row, response):
 
 
 register("flaky", flaky)
+
+
+def nan_on_5(row, response):
+    """Like ``flaky`` but a first operand ending in 5 returns a NaN reward."""
+    first = row["prompt"].split("+")[0].split("-")[0]
+    if first.endswith("5"):
+        return type(VERIFIERS["arithmetic"](row, response))(reward=float("nan"), valid=True, reason="nan", domain="flaky")
+    return flaky(row, response)
+
+
+register("flaky", nan_on_5)

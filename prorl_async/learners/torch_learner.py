@@ -139,6 +139,10 @@ class TorchLearner:
             schedule=self.length_schedule, cosine=a.length_penalty, valid=b["valid"],
             overlong_mode=a.overlong, overlong_buffer=a.overlong_buffer, overlong_factor=a.overlong_factor)
         keep = keep & b["valid"]
+        # an engine that returned a non-finite behaviour logprob loses that sample, counted
+        beh_bad = ~torch.where(b["mask"] > 0, b["behavior_logprobs"], torch.zeros_like(b["behavior_logprobs"])).isfinite().all(dim=1)
+        keep = keep & ~beh_bad
+        b["behavior_logprobs"] = torch.nan_to_num(b["behavior_logprobs"], nan=0.0, posinf=0.0, neginf=0.0)
         mask = b["mask"] * keep[:, None].float()
         # grading failures are masked out of baselines and whitening, never scored 0
         adv = compute_advantages(a.advantage, rewards, b["group_index"], mask, valid=b["valid"])
@@ -162,6 +166,9 @@ class TorchLearner:
                     rows = slice(i, min(mb.stop, i + mbs))
                     logp, ent = self.token_logprobs(self.model, b, rows, with_entropy=True)
                     mk = mask[rows].to(logp.device)
+                    if not torch.isfinite(torch.where(mk > 0, logp, torch.zeros_like(logp))).all():
+                        finite = False  # the model itself produced NaN/inf: skip this update
+                        break
                     old = old_all[rows].to(logp.device) if multi else logp.detach()
                     pg, pm = policy_loss(
                         logp, old, adv[rows].to(logp.device), mk,
@@ -220,6 +227,7 @@ class TorchLearner:
             "actor/grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
             "actor/lr": self.opt.param_groups[0]["lr"],
             "actor/skipped_updates": float(self.skipped_total),
+            "is/nonfinite_behavior_samples": float(beh_bad.sum()),
             "actor/updates": float(updates),
             "len/response_mean": float(b["lengths"].float().mean()),
             "len/truncated_frac": float(b["truncated"].float().mean()),
@@ -251,6 +259,53 @@ class TorchLearner:
         if cause:
             self.reset_reference(cause)
         return cause
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict:
+        """Everything an exact resume needs: weights (policy, reference), AdamW and LR-scheduler
+        state, the algo state objects, counters, and this process's RNG states."""
+        from prorl_async.checkpoint import rng_state
+
+        return {
+            "model": {n: p.detach() for n, p in self.model.state_dict().items()},
+            "reference": {n: p.detach() for n, p in self.ref.state_dict().items()} if self.ref is not None else None,
+            "optimizer": self.opt.state_dict(),
+            "lr_scheduler": self.lr_sched.state_dict(),
+            "length_schedule": self.length_schedule.state_dict(),
+            "ref_policy": self.ref_policy.state_dict(),
+            "version": self.version,
+            "skipped_in_row": self.skipped_in_row,
+            "skipped_total": self.skipped_total,
+            "rng": rng_state(),
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict) -> None:
+        from prorl_async.checkpoint import set_rng_state
+
+        _load_weights(self.model, sd["model"], "policy")
+        if self.ref is not None:
+            _load_weights(self.ref, sd["reference"] if sd.get("reference") is not None else sd["model"], "reference")
+        self.opt.load_state_dict(sd["optimizer"])
+        self.lr_sched.load_state_dict(sd["lr_scheduler"])
+        self.length_schedule.load_state_dict(sd["length_schedule"])
+        self.ref_policy.load_state_dict(sd["ref_policy"])
+        self.version = int(sd["version"])
+        self.skipped_in_row = int(sd["skipped_in_row"])
+        self.skipped_total = int(sd["skipped_total"])
+        set_rng_state(sd["rng"])
+
+
+@torch.no_grad()
+def _load_weights(model, tensors: dict, what: str) -> None:
+    """Copy ``tensors`` into ``model``; a tied weight (lm_head = embeddings) may be absent."""
+    params = dict(model.named_parameters())  # tied weights appear once
+    missing = [n for n in params if n not in tensors]
+    if missing:
+        raise ValueError(f"checkpoint: {what} weights lack {missing[:5]} ({len(missing)} tensors)")
+    for n, t in model.state_dict().items():
+        if n in tensors:
+            t.copy_(tensors[n].to(t.dtype))
 
 
 def _acc(d: dict, k: str, v: float) -> None:
