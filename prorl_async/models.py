@@ -130,6 +130,9 @@ def build_tiny_arith(model_cfg, seed: int = 0, log=print) -> Path:
         f"{model_cfg.warmup_target_acc:.2f}, at most {model_cfg.warmup_steps} steps) into {out}")
     torch.manual_seed(seed)
     tokenizer = build_char_tokenizer()
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     model = LlamaForCausalLM(_tiny_config(tokenizer, model_cfg.hidden_size, model_cfg.num_layers))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a model this small gains nothing from more; oversubscribed threads crawl
@@ -188,6 +191,9 @@ def load_tokenizer(path: str):
 
 def load_model(path: str, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar per actor per load is noise in the run's log
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     return model

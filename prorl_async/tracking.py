@@ -28,13 +28,13 @@ class Tracker:
             if run_hash:
                 try:
                     self.run = Run(run_hash=run_hash, repo=str(repo), log_system_params=False,
-                                   capture_terminal_logs=False)
+                                   capture_terminal_logs=False, system_tracking_interval=None)
                 except Exception as e:  # deleted, another repo, locked: metrics go to a new run
                     print(f"warning: cannot continue Aim run {run_hash} ({type(e).__name__}: {e}); starting a new one",
                           file=sys.stderr)
             if self.run is None:
                 self.run = Run(repo=str(repo), experiment=experiment, log_system_params=False,
-                               capture_terminal_logs=False)
+                               capture_terminal_logs=False, system_tracking_interval=None)
             self.run.name = run_name
             self.run["hparams"] = hparams
             self.hash = self.run.hash
