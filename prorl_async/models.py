@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from prorl_async.tracking import bar
+
 BUILTIN_PREFIX = "builtin:"
 CHARS = list("0123456789+-*=() ")
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
@@ -107,7 +109,11 @@ def _warmup(model, tokenizer, max_steps: int, lr: float, seed: int, target_acc: 
         opt.step()
         if (step + 1) % 50 == 0:
             acc = greedy_accuracy(model, tokenizer, probe)
-            log(f"  warm-up step {step + 1}  loss {loss.item():.3f}  greedy acc {acc:.2f}  ({time.time() - t0:.0f}s)")
+            if log is print:
+                bar(f"warm-up: loss {loss.item():.3f}, greedy acc {acc:.2f}/{target_acc:.2f}, {time.time() - t0:.0f}s",
+                    step + 1, max_steps, final=acc >= target_acc)
+            else:
+                log(f"  warm-up step {step + 1}  loss {loss.item():.3f}  greedy acc {acc:.2f}  ({time.time() - t0:.0f}s)")
             if acc >= target_acc:
                 break
     model.eval()

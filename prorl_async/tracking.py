@@ -78,10 +78,10 @@ def progress_line(step: int, total: int, m: dict, t_start: float) -> str:
             f"[{time.time() - t_start:.0f}s]")
 
 
-def bar(label: str, done: int, total: int, width: int = 30) -> None:
-    """A one-line progress bar for long phases (warm-up, evaluation)."""
+def bar(label: str, done: int, total: int, width: int = 30, final: bool = False) -> None:
+    """A one-line progress bar for long phases (the built-in model's warm-up, evaluation)."""
     frac = done / max(total, 1)
-    sys.stdout.write(f"\r{label} [{'#' * int(frac * width):<{width}}] {done}/{total}")
-    if done >= total:
+    sys.stdout.write(f"\r[{'#' * int(frac * width):<{width}}] {done}/{total}  {label}   ")
+    if final or done >= total:
         sys.stdout.write("\n")
     sys.stdout.flush()
