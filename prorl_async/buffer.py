@@ -26,13 +26,13 @@ from prorl_async.data.schema import ROLLOUT_SCHEMA
 
 def rollout_stats(batch: pa.RecordBatch) -> dict[str, float]:
     """Sums over one graded request (the driver adds them up between learner steps)."""
-    d = batch.select(["domain", "raw_reward", "reward_valid", "response_ids"]).to_pydict()
+    d = batch.select(["domain", "raw_reward", "reward_valid"]).to_pydict()  # token lists stay in Arrow
     out: Counter = Counter()
     out["gen_time_s"] = float(pc.sum(batch.column("gen_time_s")).as_py() or 0.0)
     out["grade_time_s"] = float(pc.sum(batch.column("grade_time_s")).as_py() or 0.0)
-    for dom, r, ok, ids in zip(d["domain"], d["raw_reward"], d["reward_valid"], d["response_ids"]):
+    out["response_tokens"] = float(pc.sum(pc.list_value_length(batch.column("response_ids"))).as_py() or 0)
+    for dom, r, ok in zip(d["domain"], d["raw_reward"], d["reward_valid"]):
         out["samples"] += 1
-        out["response_tokens"] += len(ids)
         if ok:
             correct = float(r >= 1.0 - 1e-6)
             out["valid"] += 1
@@ -69,8 +69,10 @@ class ReplayBuffer:
         self.counters["samples_in"] += batch.num_rows
         invalid = int((~valid).sum())
         self.counters["samples_invalid"] += invalid
-        for key in dict.fromkeys(keys_np):  # groups in arrival order
-            idx = np.nonzero(keys_np == key)[0]
+        _, first, inverse = np.unique(keys_np, return_index=True, return_inverse=True)
+        members = np.split(np.argsort(inverse, kind="stable"), np.cumsum(np.bincount(inverse))[:-1])
+        for g in np.argsort(first):  # groups in arrival order
+            idx = members[g]
             good = idx[valid[idx]]
             self.counters["groups_in"] += 1
             if len(good) < 2:
@@ -82,7 +84,8 @@ class ReplayBuffer:
                 self.counters["groups_dropped_all_correct" if r.max() > 0 else "groups_dropped_all_wrong"] += 1
                 dropped += 1
                 continue
-            rows = batch.take(pa.array(good))
+            contiguous = good[-1] - good[0] + 1 == len(good)  # the usual case: a zero-copy slice
+            rows = batch.slice(int(good[0]), len(good)) if contiguous else batch.take(pa.array(good))
             heapq.heappush(self._heap, (int(versions[good].min()), next(self._seq), rows))
             self.counters["groups_kept"] += 1
             kept += 1
