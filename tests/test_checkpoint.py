@@ -1,0 +1,387 @@
+"""Checkpoints and exact resume (prorl_async/checkpoint.py, the learner's state, the driver's barrier).
+
+* pure parts: atomic save / prune / ``latest`` / stale temp dirs / clear errors, the resume
+  config check, the replay buffer and TorchLearner state round trips;
+* a process SIGKILLed at random points of a large save never leaves a partial checkpoint;
+* stop-and-resume through the real CLI (subprocesses, their own local Ray):
+  - synchronous (``max_staleness=0``): 6 steps straight vs 3 steps + ``--resume`` to 6 on a
+    12-prompt train set with 8 prompts per step, so the checkpoint lies exactly on an epoch
+    boundary (24 prompts = 2 epochs). Same prompts per step, same prompts drawn, every prompt
+    once per epoch, no sample twice, per-step metrics and final weights *exactly* equal;
+  - asynchronous (``max_staleness=1``): 2 steps + resume to 4 completes, trains the groups
+    the checkpoint's buffer held, no sample twice (weights are not compared with a straight
+    run: which generator request lands at which policy version depends on timing, so two
+    straight async runs already differ);
+  - bad ``--resume`` inputs: one ``error:`` line, exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from prorl_async import checkpoint
+from prorl_async.checkpoint import CheckpointError
+from tests.conftest import ROOT, cli
+
+
+# ---------------------------------------------------------------------------- pure parts
+def _run_dir(tmp_path: Path) -> Path:
+    from prorl_async.config import load_config, save_config
+
+    d = tmp_path / "run"
+    d.mkdir()
+    save_config(load_config(None, []), d / "config.yaml")
+    return d
+
+
+def _save(run_dir: Path, step: int, keep_last: int = 2) -> Path:
+    def write(tmp: Path) -> dict:
+        (tmp / "config.yaml").write_text((run_dir / "config.yaml").read_text())
+        (tmp / "payload.txt").write_text(f"step {step}\n")
+        return {"version": step}
+
+    return checkpoint.save(run_dir, step, write, keep_last=keep_last)
+
+
+def test_save_prune_latest(tmp_path):
+    run_dir = _run_dir(tmp_path)
+    for step in (2, 4, 6, 8):
+        _save(run_dir, step, keep_last=2)
+    root = run_dir / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000006", "step-000008"]
+    assert (root / "latest").read_text().strip() == "step-000008"
+    ck = checkpoint.load_latest(run_dir)
+    assert ck.step == 8 and ck.version == 8 and (ck.path / "payload.txt").read_text() == "step 8\n"
+    assert set(ck.manifest["files"]) == {"config.yaml", "payload.txt"}
+
+
+def test_load_latest_ignores_temp_dirs_and_partial_dirs(tmp_path):
+    run_dir = _run_dir(tmp_path)
+    _save(run_dir, 2)
+    root = run_dir / "checkpoints"
+    dead = root / ".tmp-999999999-4-abcd"  # a save whose process is gone
+    dead.mkdir()
+    (dead / "payload.txt").write_text("half")
+    (root / "step-000009").mkdir()  # a directory without a manifest is not a checkpoint
+    assert checkpoint.load_latest(run_dir).step == 2
+    (root / "latest").unlink()  # a missing pointer: the newest complete step directory
+    assert checkpoint.load_latest(run_dir).step == 2
+    (root / "step-000002" / "payload.txt").write_text("truncated")  # size differs from the manifest
+    with pytest.raises(CheckpointError, match="no checkpoint in"):
+        checkpoint.load_latest(run_dir)
+    _save(run_dir, 3)
+    assert not dead.exists()  # the next save removes stale temp directories
+    assert checkpoint.load_latest(run_dir).step == 3
+
+
+def test_load_latest_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="is not a prorl-async run: no such directory"):
+        checkpoint.load_latest(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="is not a prorl-async run: no config.yaml"):
+        checkpoint.load_latest(tmp_path)
+    with pytest.raises(CheckpointError, match="no checkpoint in"):
+        checkpoint.load_latest(_run_dir(tmp_path))
+
+
+def test_resume_config_allows_only_fields_that_keep_the_math(tmp_path):
+    run_dir = _run_dir(tmp_path)
+    ck = _save(run_dir, 2)
+    ck = checkpoint.load_latest(run_dir)
+    cfg = checkpoint.resume_config(ck, run_dir, ["train.total_steps=500", "tracking.enabled=false",
+                                                  "ray.num_cpus=3", "train.checkpoint_interval=7"])
+    assert cfg.train.total_steps == 500 and cfg.run_dir == str(run_dir)
+    with pytest.raises(CheckpointError) as e:
+        checkpoint.resume_config(ck, run_dir, ["train.lr=1e-3", "rollout.n=2", "train.total_steps=500"])
+    msg = str(e.value)
+    assert "rollout.n" in msg and "train.lr" in msg and "train.total_steps," not in msg.split("may change")[0]
+
+
+def _groups_table(groups: int, seed: int, request: str):
+    from tests.learners._batches import graded_table
+
+    t = graded_table(groups=groups, n=4, seed=seed)
+    import pyarrow as pa
+
+    ids = pa.array([request] * t.num_rows)
+    return t.set_column(t.schema.get_field_index("request_id"), "request_id", ids)
+
+
+def test_replay_buffer_state_round_trip_through_parquet(tmp_path):
+    import pyarrow.parquet as pq
+
+    from prorl_async.buffer import ReplayBuffer
+
+    a = ReplayBuffer(max_staleness=1)
+    for i, seed in enumerate((1, 2, 3)):
+        for batch in _groups_table(4, seed, f"r{i}").to_batches():
+            a.put(batch)
+    a.take(0, 2)
+    state = a.state_dict()
+    pq.write_table(state["table"], tmp_path / "buffer.parquet")
+    b = ReplayBuffer(max_staleness=1)
+    b.load_state_dict({"table": pq.read_table(tmp_path / "buffer.parquet"), "counters": state["counters"]})
+    assert len(b) == len(a) and b.metrics() == a.metrics()
+    while len(a):
+        ta, _ = a.take(0, 1)
+        tb, _ = b.take(0, 1)
+        assert ta.column("sample_id").to_pylist() == tb.column("sample_id").to_pylist()
+
+
+def test_torch_learner_state_dict_resumes_exactly(tmp_path, tiny_model):
+    """Two steps on one learner == one step, save, load into a fresh learner, one more step."""
+    import torch
+
+    from prorl_async.config import load_config
+    from prorl_async.learners.torch_learner import TorchLearner
+    from tests.learners._batches import graded_table
+
+    torch.set_num_threads(1)
+    cfg = load_config(None, [f"model.path={tiny_model}", "train.prompts_per_step=4", "rollout.n=4",
+                             "train.micro_batch_size=8", "train.mini_batches=2", "train.lr=1e-3",
+                             "algo.kl_coef=0.01", "algo.ref_reset_interval=1", "algo.ref_reset_optimizer=false",
+                             "algo.length_penalty=true", "algo.length_on_steps=1", "algo.length_off_steps=1"])
+    t1, t2 = graded_table(groups=4, n=4, seed=1), graded_table(groups=4, n=4, seed=2)
+    straight = TorchLearner(cfg, tiny_model)
+    straight.train_step(t1)
+    checkpoint.write_learner(straight, tmp_path, tokenizer_path=tiny_model)
+    resumed = TorchLearner(cfg, tiny_model)
+    resumed.load_state_dict(checkpoint.read_learner(tmp_path))
+    m_straight, m_resumed = straight.train_step(t2), resumed.train_step(t2)
+    for k, v in m_straight.items():
+        if not k.startswith("perf/"):
+            assert m_resumed[k] == v, k
+    for (n, p), (_, q) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items()):
+        assert torch.equal(p, q), n
+    for (n, p), (_, q) in zip(straight.ref.state_dict().items(), resumed.ref.state_dict().items()):
+        assert torch.equal(p, q), n
+    assert resumed.version == 2 and resumed.ref_policy.state_dict() == straight.ref_policy.state_dict()
+    assert (tmp_path / "policy" / "tokenizer.json").is_file()  # generators can start from it
+
+
+# ---------------------------------------------------------------------------- killed mid-save
+_WRITER = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from prorl_async import checkpoint
+
+    run_dir, step, mb = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    chunk = bytes([step % 251]) * (1 << 20)
+
+    def write(tmp):
+        (tmp / "config.yaml").write_text("x: 1\\n")
+        for i in range(8):  # mb MiB in 8 files, written in 1 MiB chunks
+            with open(tmp / f"shard-{i}.bin", "wb") as f:
+                for _ in range(mb // 8):
+                    f.write(chunk)
+        return {"version": step}
+
+    checkpoint.save(run_dir, step, write, keep_last=2)
+    print("saved", step, flush=True)
+""")
+
+
+def _intact(ck: checkpoint.Checkpoint, mb: int) -> bool:
+    want = bytes([ck.step % 251]) * (1 << 20)
+    for i in range(8):
+        data = (ck.path / f"shard-{i}.bin").read_bytes()
+        if len(data) != (mb // 8) * (1 << 20) or data != want * (mb // 8):
+            return False
+    return True
+
+
+def test_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
+    run_dir, mb = tmp_path / "run", 64
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("x: 1\n")
+    script = tmp_path / "writer.py"
+    script.write_text(_WRITER)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def writer(step: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(script), str(run_dir), str(step), str(mb)], env=env,
+                                stdout=subprocess.PIPE, text=True)
+
+    t0 = time.time()
+    assert writer(1).wait(timeout=120) == 0
+    full = time.time() - t0  # one complete save, process start included
+    rng = random.Random(6)
+    committed, killed = 1, 0
+    for step in range(2, 10):
+        p = writer(step)
+        time.sleep(rng.uniform(0.05, 1.1) * full)
+        p.send_signal(signal.SIGKILL)
+        rc = p.wait(timeout=60)
+        killed += rc == -signal.SIGKILL
+        ck = checkpoint.load_latest(run_dir)
+        if rc == 0:
+            committed = step
+        # the newest complete checkpoint: the previous one, or this one if `latest` was already written
+        assert ck.step in (committed, step), (ck.step, committed, step)
+        assert _intact(ck, mb), f"checkpoint {ck.path} is partial"
+        committed = ck.step
+    assert killed >= 4, f"only {killed} of 8 writers were killed before finishing; the test did not test much"
+    assert writer(20).wait(timeout=120) == 0
+    ck = checkpoint.load_latest(run_dir)
+    assert ck.step == 20 and _intact(ck, mb)
+    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert not [n for n in names if n.startswith(".tmp-")], names  # the killed writers' temp dirs are gone
+    assert names[-1] == "step-000020" and "latest" in names and len([n for n in names if n.startswith("step-")]) <= 2
+
+
+# ---------------------------------------------------------------------------- bad resume inputs (real CLI)
+def test_bad_resume_inputs_give_one_error_line_and_exit_2(tmp_path):
+    not_a_run = tmp_path / "empty"
+    not_a_run.mkdir()
+    no_ckpt = _run_dir(tmp_path)
+    with_ckpt = tmp_path / "ok"
+    with_ckpt.mkdir()
+    (with_ckpt / "config.yaml").write_text((no_ckpt / "config.yaml").read_text())
+    _save(with_ckpt, 2)
+    cases = [
+        ([str(not_a_run)], "is not a prorl-async run: no config.yaml"),
+        ([str(tmp_path / "missing")], "is not a prorl-async run: no such directory"),
+        ([str(no_ckpt)], "no checkpoint in"),
+        ([str(with_ckpt), "algo.clip_eps_high=0.3", "train.total_steps=999"], "cannot resume"),
+        ([str(with_ckpt), "train.total_steps=2"], "is at step 2 already"),
+    ]
+    for args, expected in cases:
+        res = cli("train", "--resume", *args, cwd=tmp_path)
+        assert res.returncode == 2, (args, res.stdout, res.stderr)
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], (args, res.stderr)
+    res = cli("train", "--resume", str(with_ckpt), "algo.clip_eps_high=0.3", cwd=tmp_path)
+    assert "algo.clip_eps_high" in res.stderr
+
+
+# ---------------------------------------------------------------------------- stop and resume (real CLI)
+BASE = ["train.prompts_per_step=8", "rollout.n=4", "rollout.prompts_per_request=4", "train.eval_interval=0",
+        "train.eval_samples=1", "model.warmup_steps=200", "data.eval=builtin:arithmetic?n=4&seed=2&split=eval",
+        "train.micro_batch_size=32", "ray.num_cpus=2", "train.keep_last=3"]
+# 12 prompts, 8 per step, every group trained (no dynamic sampling): 3 steps = 24 prompts = 2 epochs
+SYNC = BASE + ["train.max_staleness=0", "algo.dynamic_sampling=false", "train.checkpoint_interval=3",
+               "data.train=builtin:arithmetic?n=12&seed=1&split=train"]
+ASYNC = BASE + ["train.max_staleness=1", "train.checkpoint_interval=2", "rollout.num_generators=2",
+                "rollout.generator_num_cpus=0.5", "train.learner_num_cpus=0.5"]
+
+
+def _launch(args: list[str], run_dir: Path, tmp: Path, model_cache: str):
+    """The real CLI in a subprocess; returns (process, log path)."""
+    exe = Path(sys.executable).with_name("prorl-async")
+    extra = [] if "--resume" in args else [f"run_dir={run_dir}", f"model.cache_dir={model_cache}",
+                                           f"tracking.aim_repo={tmp / ('aim-' + run_dir.name)}"]  # not shared: concurrent
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    log = tmp / f"{run_dir.name}-{'resume' if '--resume' in args else 'first'}.log"
+    with open(log, "w") as f:
+        p = subprocess.Popen([str(exe), "train", *args, *extra], cwd=tmp, env=env, stdout=f, stderr=subprocess.STDOUT)
+    return p, log
+
+
+def _wait(procs: dict) -> None:
+    for name, (p, log) in procs.items():
+        rc = p.wait(timeout=600)
+        assert rc == 0, f"{name} failed ({rc}): {log.read_text()[-4000:]}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, model_cache):
+    """Phase 1, concurrently: sync 6 steps straight, sync 4 steps, async 3 steps (checkpoints at 3
+    and 2 on the way); the last step of the short runs is then "lost" as in a crash; phase 2: both
+    resume from their mid-run checkpoint."""
+    import pyarrow.parquet as pq
+
+    from prorl_async.config import ModelConfig
+    from prorl_async.models import build_tiny_arith
+
+    tmp = tmp_path_factory.mktemp("resume")
+    build_tiny_arith(ModelConfig(cache_dir=model_cache, warmup_steps=200), log=lambda *_: None)  # once, not 3x
+    d = {k: tmp / k for k in ("sync_straight", "sync_resumed", "async_resumed")}
+    _wait({name: _launch(args, d[name], tmp, model_cache)
+           for name, args in (("sync_straight", SYNC + ["train.total_steps=6"]),
+                              ("sync_resumed", SYNC + ["train.total_steps=4"]),
+                              ("async_resumed", ASYNC + ["train.total_steps=3"]))})
+    # a crash one step after the mid-run checkpoint: that step, its end checkpoint and outputs are lost
+    for name, step in (("sync_resumed", 3), ("async_resumed", 2)):
+        root = d[name] / "checkpoints"
+        assert [p.name for p in checkpoint.list_checkpoints(d[name])][-2:] == [checkpoint.step_name(step),
+                                                                              checkpoint.step_name(step + 1)]
+        shutil.rmtree(root / checkpoint.step_name(step + 1))
+        checkpoint.atomic_write_text(root / "latest", checkpoint.step_name(step) + "\n")
+        for f in ("summary.json", "trained_groups.jsonl"):
+            (d[name] / f).unlink()
+        shutil.rmtree(d[name] / "final")
+    # the checkpoints the resumes start from, as they were
+    first = {k: json.loads((checkpoint.load_latest(d[k]).path / "driver.json").read_text())
+             for k in ("sync_resumed", "async_resumed")}
+    buffered = pq.read_table(checkpoint.load_latest(d["async_resumed"]).path / "buffer.parquet")
+    buffered = {f"{r['request_id']}/{r['prompt_id']}" for r in buffered.select(["request_id", "prompt_id"]).to_pylist()}
+    _wait({name: _launch(["--resume", str(d[name]), f"train.total_steps={total}"], d[name], tmp, model_cache)
+           for name, total in (("sync_resumed", 6), ("async_resumed", 4))})
+    return {"dirs": d, "first": first, "async_buffered": buffered}
+
+
+def _history(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines() if line]
+
+
+def _groups(run_dir: Path) -> list[list[str]]:
+    return [json.loads(line) for line in (run_dir / "trained_groups.jsonl").read_text().splitlines() if line]
+
+
+TIMING = ("perf/", "time/", "async/learner_idle_frac", "async/generator_idle_frac", "async/grader_idle_frac")
+
+
+def test_sync_resume_is_exact_across_an_epoch_boundary(runs):
+    import torch
+    from safetensors.torch import load_file
+
+    straight, resumed = runs["dirs"]["sync_straight"], runs["dirs"]["sync_resumed"]
+    first = runs["first"]["sync_resumed"]
+    # the checkpoint sits exactly at the end of epoch 1 (24 of 12 prompts drawn)
+    assert first["version"] == 3 and first["source"] == {"epoch": 1, "pos": 12, "consumed": 24, "seed": 0}
+    # same steps, same prompts per step, same per-step metrics (timings aside), bit for bit
+    hs, hr = _history(straight), _history(resumed)
+    assert [h["step"] for h in hr] == [h["step"] for h in hs] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(hs, hr):
+        keys = [k for k in a if k != "time" and not k.startswith(TIMING)]
+        assert {k: b.get(k) for k in keys} == {k: a[k] for k in keys}, a["step"]
+    gs, gr = _groups(straight), _groups(resumed)
+    prompts = lambda groups: [[g.split("/", 1)[1] for g in step] for step in groups]  # noqa: E731
+    assert prompts(gr) == prompts(gs) and [len(s) for s in gr] == [8] * 6
+    # no sample twice: every (request, prompt) group once; every prompt exactly once per epoch
+    flat = [g for step in gr for g in step]
+    assert len(set(flat)) == len(flat) == 48
+    ids = [g.split("/", 1)[1] for g in flat]
+    assert all(len(set(ids[e * 12:(e + 1) * 12])) == 12 for e in range(4))
+    ss, sr = (json.loads((d / "summary.json").read_text()) for d in (straight, resumed))
+    assert sr["steps"] == ss["steps"] == 6 and sr["prompts_consumed"] == ss["prompts_consumed"] == 48
+    assert sr["aim_run_hash"] == first["aim_run_hash"]  # the same Aim run continued
+    wa, wb = load_file(str(straight / "final" / "model.safetensors")), load_file(str(resumed / "final" / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)  # tolerance: 0 (exact)
+    assert checkpoint.load_latest(resumed).step == 6
+
+
+def test_async_resume_completes_and_trains_no_sample_twice(runs):
+    resumed = runs["dirs"]["async_resumed"]
+    h = _history(resumed)
+    assert [x["step"] for x in h] == [1, 2, 3, 4]
+    assert all(x["async/trained_staleness_max"] <= 1 for x in h)
+    groups = _groups(resumed)
+    flat = [g for step in groups for g in step]
+    assert [len(s) for s in groups] == [8] * 4 and len(set(flat)) == len(flat)
+    # what the checkpoint's buffer held was trained after the resume, not lost
+    assert runs["async_buffered"] <= set(g for step in groups[2:] for g in step)
+    first = runs["first"]["async_resumed"]
+    assert first["consumed"] == 16 and first["live"] == first["buffered"] == len(runs["async_buffered"])
+    summary = json.loads((resumed / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["prompts_consumed"] >= first["source"]["consumed"]
