@@ -16,20 +16,27 @@ SMALL = ["train.total_steps=4", "train.prompts_per_step=8", "rollout.n=4", "roll
          "ray.num_cpus=2"]
 
 
-def _aim_metric(repo: Path, run_hash: str, name: str) -> list[float]:
+MIX = ('data.mix=[{source: "builtin:arithmetic?n=200&seed=1&split=train", weight: 0.5}, '
+       '{source: "builtin:multidomain?n=100&seed=1&split=train", weight: 0.5}]')
+
+
+def _aim_metrics(repo: Path, run_hash: str) -> dict:
+    """{(name, context as sorted items): values} of a closed Aim run, read back through the SDK."""
     from aim import Repo
 
+    from prorl_async.compare import refresh_index
+
+    refresh_index(Repo(str(repo)), [run_hash])  # closed runs are seen only once indexed
     run = Repo(str(repo)).get_run(run_hash)
-    for m in run.metrics():
-        if m.name == name and not m.context.to_dict():
-            return list(m.values.values_list())
-    return []
+    return {(m.name, tuple(sorted(m.context.to_dict().items()))): list(m.values.values_list()) for m in run.metrics()}
 
 
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_cli_run_both_modes(tmp_path, model_cache, staleness):
+    """Both modes through the real CLI; the async one also trains on a five-domain mix."""
     run_dir = tmp_path / "run"
-    res = cli("train", *SMALL, f"train.max_staleness={staleness}", f"run_dir={run_dir}",
+    extra = [MIX, "rollout.max_new_tokens=12"] if staleness else []
+    res = cli("train", *SMALL, *extra, f"train.max_staleness={staleness}", f"run_dir={run_dir}",
               f"tracking.aim_repo={tmp_path / 'aim'}", f"model.cache_dir={model_cache}", cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -44,8 +51,15 @@ def test_cli_run_both_modes(tmp_path, model_cache, staleness):
     assert "step    4/4" in res.stdout and "held-out metric" in res.stdout
     assert (run_dir / "config.yaml").is_file() and (run_dir / "final" / "config.json").is_file()
     # the Aim run can be read back
-    values = _aim_metric(tmp_path / "aim", summary["aim_run_hash"], "reward/mean")
+    metrics = _aim_metrics(tmp_path / "aim", summary["aim_run_hash"])
+    values = metrics[("reward/mean", ())]
     assert len(values) == 4 and all(math.isfinite(v) for v in values)
+    assert ("val/pass@1", (("split", "eval"),)) in metrics
+    domains = {dict(ctx).get("domain") for name, ctx in metrics if name == "reward/accuracy"} - {None}
+    if staleness:  # per-domain reward and accuracy of the mix, under Aim's `domain` context
+        assert {"arithmetic", "code", "math"} <= domains or len(domains) >= 4, domains
+    else:
+        assert domains == {"arithmetic"}
 
 
 def test_grader_failures_mark_samples_invalid_and_run_continues(tmp_path, model_cache):
