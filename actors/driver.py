@@ -484,7 +484,7 @@ class TrainingLoop:
 
     def _checkpoint_due(self) -> bool:
         v, every = self.s.version, self.cfg.train.checkpoint_interval
-        return (self.run_dir is not None and every > 0 and self.cfg.train.learner == "torch" and 0 < v < self.cfg.train.total_steps
+        return (self.run_dir is not None and every > 0 and 0 < v < self.cfg.train.total_steps
                 and v % every == 0 and self._ckpt_version != v)
 
     def _barrier(self) -> None:
@@ -509,11 +509,6 @@ class TrainingLoop:
         from prorl_async import checkpoint
 
         if self.run_dir is None:
-            return None
-        if self.cfg.train.learner != "torch":
-            if self._ckpt_version != -2:
-                log.warning("checkpoints are implemented for train.learner=torch only; none saved")
-            self._ckpt_version = -2
             return None
         self._barrier()
         s = self.s

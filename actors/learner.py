@@ -61,9 +61,6 @@ class LearnerActor:
         """Learner state into a checkpoint directory being written (see prorl_async.checkpoint)."""
         from prorl_async.checkpoint import write_learner
 
-        if not hasattr(self.learner, "state_dict"):
-            raise NotImplementedError(f"checkpoints are implemented for train.learner=torch only, "
-                                      f"not {self.cfg.train.learner}")
         write_learner(self.learner, path, tokenizer_path)
         return path
 
@@ -71,7 +68,10 @@ class LearnerActor:
         """Restore the learner from a checkpoint directory; returns its policy version."""
         from prorl_async.checkpoint import read_learner
 
-        self.learner.load_state_dict(read_learner(path))
+        if hasattr(self.learner, "load_state"):  # DeepSpeed reads its own checkpoint (a collective)
+            self.learner.load_state(path)
+        else:
+            self.learner.load_state_dict(read_learner(path))
         return self.learner.version
 
 

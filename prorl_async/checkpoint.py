@@ -25,6 +25,8 @@ What a checkpoint holds (written by the driver and the learner, read back by
     learner/          reference weights (safetensors), optimizer + LR-scheduler state,
                       length-penalty schedule, reference-reset policy, skipped-step
                       counters, the learner process's python/numpy/torch RNG states
+                      (``state.pt``; with DeepSpeed instead DeepSpeed's own checkpoint in
+                      ``learner/deepspeed/``, ZeRO-partitioned per rank, RNG states per rank)
     driver.json       loop counters (step, policy version, groups consumed, request counter
                       that seeds generation), data cursor, rollout stats since the last step,
                       cumulative timings, replay-buffer counters, Aim run hash
@@ -343,6 +345,9 @@ def write_learner(learner, path, tokenizer_path: str = "") -> None:
     from safetensors.torch import save_file
 
     path = Path(path)
+    if hasattr(learner, "save_state"):  # DeepSpeed: its own (partitioned) checkpoint, a collective
+        _write_deepspeed(learner, path, tokenizer_path)
+        return
     sd = learner.state_dict()
     policy = path / "policy"
     learner.model.save_pretrained(policy, state_dict=_dedup(sd.pop("model")))
@@ -358,6 +363,28 @@ def write_learner(learner, path, tokenizer_path: str = "") -> None:
     if ref is not None:
         save_file(_dedup(ref), str(path / "learner" / "reference.safetensors"))
     torch.save(sd, path / "learner" / "state.pt")
+    fsync_tree(policy)
+    fsync_tree(path / "learner")
+
+
+def _write_deepspeed(learner, path: Path, tokenizer_path: str) -> None:
+    from safetensors.torch import save_file
+
+    named = dict(learner.named_tensors())  # gathered under ZeRO-3: every rank calls it
+    learner.save_state(path)
+    if learner.rank != 0:
+        return
+    policy = path / "policy"
+    learner.model.save_pretrained(policy, state_dict=_dedup(named))
+    if tokenizer_path:
+        from prorl_async.models import load_tokenizer
+
+        try:
+            load_tokenizer(tokenizer_path).save_pretrained(policy)
+        except (OSError, ValueError):
+            pass
+    if learner.ref is not None:
+        save_file(_dedup(dict(learner.ref.state_dict())), str(path / "learner" / "reference.safetensors"))
     fsync_tree(policy)
     fsync_tree(path / "learner")
 

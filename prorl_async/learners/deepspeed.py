@@ -290,3 +290,43 @@ class DeepSpeedLearner:
         if self.rank == 0:
             self.model.save_pretrained(path, state_dict=named)
         return path
+
+    # ------------------------------------------------------------------ checkpoint
+    def save_state(self, path) -> None:
+        """DeepSpeed's own checkpoint (module, ZeRO-partitioned optimizer, LR scheduler; every rank
+        writes its part) under ``path/learner/deepspeed`` with our algo state as client state, plus
+        this rank's RNG states. A collective: every rank calls it."""
+        from pathlib import Path
+
+        from prorl_async.checkpoint import rng_state
+
+        d = Path(path) / "learner" / "deepspeed"
+        self.engine.save_checkpoint(str(d), tag="state", save_latest=False, client_state={
+            "length_schedule": self.length_schedule.state_dict(), "ref_policy": self.ref_policy.state_dict(),
+            "version": self.version, "skipped_total": self.skipped_total})
+        torch.save(rng_state(), d / f"rng-rank{self.rank}.pt")
+
+    @torch.no_grad()
+    def load_state(self, path) -> None:
+        """Inverse of :meth:`save_state` (same ``train.num_learners``); reference weights from
+        ``path/learner/reference.safetensors`` when the run has a reference."""
+        from pathlib import Path
+
+        from prorl_async.checkpoint import set_rng_state
+
+        d = Path(path) / "learner" / "deepspeed"
+        loaded, client = self.engine.load_checkpoint(str(d), tag="state", load_optimizer_states=True,
+                                                     load_lr_scheduler_states=True)
+        if loaded is None:
+            raise ValueError(f"checkpoint: no DeepSpeed state in {d}")
+        self.length_schedule.load_state_dict(client["length_schedule"])
+        self.ref_policy.load_state_dict(client["ref_policy"])
+        self.version, self.skipped_total = int(client["version"]), int(client["skipped_total"])
+        ref = Path(path) / "learner" / "reference.safetensors"
+        if self.ref is not None and ref.is_file():
+            from safetensors.torch import load_file
+
+            tensors = load_file(str(ref))
+            for n, p in self.ref.named_parameters():
+                p.copy_(tensors[n].to(p.dtype))
+        set_rng_state(torch.load(d / f"rng-rank{self.rank}.pt", weights_only=False))
