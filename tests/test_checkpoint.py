@@ -96,7 +96,7 @@ def test_load_latest_errors(tmp_path):
 
 def test_resume_config_allows_only_fields_that_keep_the_math(tmp_path):
     run_dir = _run_dir(tmp_path)
-    ck = _save(run_dir, 2)
+    _save(run_dir, 2)
     ck = checkpoint.load_latest(run_dir)
     cfg = checkpoint.resume_config(ck, run_dir, ["train.total_steps=500", "tracking.enabled=false",
                                                   "ray.num_cpus=3", "train.checkpoint_interval=7"])
