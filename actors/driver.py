@@ -252,6 +252,7 @@ class TrainingLoop:
         self.requests: dict = {}  # put ObjectRef -> (generator, rows, seed), to re-issue if it dies
         self.retry: list = []     # (rows, seed) of requests whose generator died
         self.resync_needed = False
+        self.learner_dead = False
         self.gen_failures = 0
         self.trained_groups: list[list[str]] = []
         self.invalid_by_reason: dict = defaultdict(float)
@@ -362,6 +363,7 @@ class TrainingLoop:
             self.resync_needed = True
             return
         if handler == self._on_trained:
+            self.learner_dead = _generator_died(err)  # an actor death, not an exception inside a live learner
             raise RunError(f"the learner failed at step {self.s.version + 1}: {_cause(err)}")
         raise RunError(f"{getattr(handler, '__name__', handler)} failed: {_cause(err)}")
 
@@ -655,7 +657,17 @@ def run(cfg: Config, resume=None) -> dict:
         if resume is not None:
             loop.restore(resume)
             before = loop.before
-        history = loop.run()
+        try:
+            history = loop.run()
+        except RunError:
+            # a run that must stop keeps its last good state (the learner's weights are never
+            # updated by a non-finite step), unless the learner itself is gone
+            if not loop.learner_dead:
+                try:
+                    loop.save_checkpoint("error")
+                except Exception as e:  # the stop reason matters more than this checkpoint
+                    log.warning("no checkpoint at the stop: %s", _cause(e))
+            raise
         loop.save_checkpoint("end")
         steps = loop.s.version
         after = {**evaluate(cfg, actors, eval_rows, steps, tracker),

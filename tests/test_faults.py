@@ -80,10 +80,15 @@ def test_diverging_learner_skips_non_finite_updates_then_stops(ray_cluster, tmp_
     from actors.driver import RunError, run
 
     # lr=1e30 blows the weights up after one update: every later loss is NaN and is skipped
+    from prorl_async.checkpoint import load_latest
+
     cfg = _cfg(tmp_path, model_cache, "train.total_steps=20", "train.lr=1e30", "train.max_skipped_steps=3",
                "train.mini_batches=1", "train.eval_interval=0")
     with pytest.raises(RunError, match="non-finite"):
         run(cfg)
+    # the run stopped with a checkpoint of its last state, which a resume can load
+    ckpt = load_latest(str(tmp_path / "run"))
+    assert 1 <= ckpt.step < 20
 
 
 def test_grader_failure_rate_above_bound_stops_with_reasons(tmp_path, model_cache):
