@@ -83,9 +83,9 @@ class GeneratorActor:
         cols = {k: [] for k in ("sample_id", "prompt_id", "domain", "prompt_ids", "response_ids",
                                 "behavior_logprobs", "policy_version", "finish_reason", "gen_time_s",
                                 "response_text", "request_id")}
-        for row, pids, comps in zip(rows, prompt_ids, outs):
-            for j, c in enumerate(comps):
-                cols["sample_id"].append(f"{request_id}-{row['id']}-{j}")
+        for k, (row, pids, comps) in enumerate(zip(rows, prompt_ids, outs)):
+            for j, c in enumerate(comps):  # unique even if a prompt repeats within a request
+                cols["sample_id"].append(f"{request_id}-{k}-{row['id']}-{j}")
                 cols["prompt_id"].append(str(row["id"]))
                 cols["domain"].append(row.get("domain", ""))
                 cols["prompt_ids"].append(pids)
