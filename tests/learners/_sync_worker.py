@@ -1,0 +1,48 @@
+"""Entry point of the spawned processes in test_weight_sync.py (one weight-sync group member each)."""
+
+import time
+
+import torch
+
+
+def named(seed: int, device: str = "cpu", extra: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    out = [("embed.weight", torch.randn(50, 16, generator=g)), ("layer.bias", torch.randn(16, generator=g)),
+           ("head.weight", torch.randn(16, 16, generator=g).bfloat16())]
+    if extra:
+        out.append(("extra.weight", torch.randn(3, generator=g)))
+    return [(n, t.to(device)) for n, t in out]
+
+
+def member(rank: int, port: int, backend: str, device: str, scenario: str, q) -> None:
+    from prorl_async.learners.weight_sync import WeightSyncError, WeightSyncGroup, tensor_checksum
+
+    try:
+        dev = f"{device}:{rank}" if device == "cuda" else device
+        if device == "cuda":
+            torch.cuda.set_device(rank)
+        group = WeightSyncGroup("127.0.0.1", port, rank, 2, backend, timeout_s=5.0, device=dev)
+        if rank == 0:
+            if scenario == "silent":  # never sends: the receiver must time out, not hang
+                time.sleep(8)
+                q.put(("sender", "done"))
+                return
+            for version, seed in ((1, 1), (2, 2)):
+                weights = named(seed, dev, extra=(scenario == "mismatch" and version == 1))
+                group.send(weights, version)
+            q.put(("sender", tensor_checksum([t for _, t in named(2, dev)])))
+        else:
+            expect = [(n, tuple(t.shape), t.dtype) for n, t in named(0, dev)]
+            results = []
+            for _ in range(2):
+                t0 = time.time()
+                try:
+                    version, got = group.receive(expect)
+                    results.append(("ok", version, tensor_checksum([t for _, t in got])))
+                except WeightSyncError as e:
+                    results.append(("refused", str(e), time.time() - t0))
+                if scenario == "silent":
+                    break
+            q.put(("receiver", results))
+    except Exception as e:  # reported to the test, which fails with it
+        q.put(("error", f"rank {rank}: {type(e).__name__}: {e}"))
