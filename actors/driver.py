@@ -310,13 +310,16 @@ class TrainingLoop:
         s.buffered += info["kept"]
         for key, v in info["stats"].items():
             w[key] += v
-        for reason, count in info["invalid_reasons"].items():  # cumulative, by reason
+        for reason, count in info["invalid_reasons"].items():  # cumulative, and since the last step
             self.invalid_by_reason[reason.split(":")[0]] += count
+            w[f"invalid_reason/{reason}"] += count
         s.busy_s["grade"] += info["stats"].get("grade_time_s", 0.0)
-        n = max(info["stats"]["samples"], 1)
-        if info["invalid_samples"] / n > self.cfg.reward.max_invalid_frac:
-            raise RunError(f"{info['invalid_samples']} of {n} samples in one request could not be graded "
-                           f"(reward.max_invalid_frac={self.cfg.reward.max_invalid_frac}); reasons: {info['invalid_reasons']}")
+        # judged over a batch's worth of samples, so one unlucky request does not stop a run
+        n, bad = w["samples"], w["samples"] - w["valid"]
+        if n >= self.cfg.samples_per_step and bad / n > self.cfg.reward.max_invalid_frac:
+            reasons = {k.split("/", 1)[1]: int(v) for k, v in w.items() if k.startswith("invalid_reason/")}
+            raise RunError(f"{int(bad)} of {int(n)} samples since the last step could not be graded "
+                           f"(reward.max_invalid_frac={self.cfg.reward.max_invalid_frac}); reasons: {reasons}")
 
     def _on_trained(self, _ref) -> None:
         metrics = ray.get(_ref)

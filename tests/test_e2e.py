@@ -65,19 +65,29 @@ def test_cli_run_both_modes(tmp_path, model_cache, staleness):
 def test_grader_failures_mark_samples_invalid_and_run_continues(tmp_path, model_cache):
     from prorl_async.data import arithmetic
 
-    rows = arithmetic.generate(64, seed=5, split="train")
+    def first_digit_end(r):
+        return r["prompt"].split("+")[0].split("-")[0][-1]
+
+    pool = arithmetic.generate(400, seed=5, split="train")
+    rows = []
+    for d in "357":  # two prompts that raise (3), return NaN (5), hang (7); ten that grade normally
+        rows += [r for r in pool if first_digit_end(r) == d][:2]
+    rows += [r for r in pool if first_digit_end(r) not in "357"][:10]
     with open(tmp_path / "flaky.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps({**r, "domain": "flaky"}) + "\n")
     run_dir = tmp_path / "run"
     res = cli("train", *SMALL, "train.eval_interval=0", f"data.train={tmp_path / 'flaky.jsonl'}",
-              "reward.extra_modules=[tests.fault_verifiers]", "reward.timeout_s=2", "reward.max_invalid_frac=0.9",
+              "reward.extra_modules=[tests.fault_verifiers]", "reward.timeout_s=1", "reward.max_invalid_frac=0.9",
               f"run_dir={run_dir}", f"tracking.aim_repo={tmp_path / 'aim'}", f"model.cache_dir={model_cache}",
               cwd=ROOT, env={"PYTHONPATH": str(ROOT)})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     history = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
     assert len(history) == 4
-    assert history[-1]["reward/invalid_samples"] > 0  # counted, not scored 0
+    last = history[-1]
+    assert last["reward/invalid_samples"] > 0  # counted, not scored 0
+    # each failure kind is counted under its reason: a crash, a NaN reward, a hang killed at the limit
+    assert last["reward/invalid_error"] > 0 and last["reward/invalid_non_finite"] > 0 and last["reward/invalid_timeout"] > 0
     assert all(math.isfinite(h["actor/pg_loss"]) for h in history)
 
 
