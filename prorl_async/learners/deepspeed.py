@@ -143,7 +143,9 @@ class DeepSpeedLearner:
         }
         opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
         warm = max(1, t.warmup_lr_steps)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+        per_step = t.mini_batches * t.ppo_epochs  # DeepSpeed steps the schedule per optimizer step;
+        # count learner steps instead, as TorchLearner does
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s // per_step + 1) / warm))
         self.engine, self.opt, _, self.lr_sched = deepspeed.initialize(
             model=model, optimizer=opt, lr_scheduler=sched, config=ds_config,
             dist_init_required=False)

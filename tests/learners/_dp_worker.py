@@ -17,7 +17,7 @@ def run(rank: int, out: str, port: int) -> None:
     from tests.learners._batches import graded_table
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    cfg = load_config(None, ["train.prompts_per_step=6", "rollout.n=4"])
+    cfg = load_config(None, ["train.prompts_per_step=6", "rollout.n=4", "train.mini_batches=1"])
     table = graded_table(groups=6, n=4, seed=3)
     sched = LengthPenaltySchedule(1, 1, 0)
     share = table.slice(rank * 12, 12)  # whole groups per rank

@@ -21,7 +21,7 @@ pytest.importorskip("deepspeed")
 def _cfg(tiny_model, **over):
     items = [f"model.path={tiny_model}", "train.prompts_per_step=4", "rollout.n=4", "train.micro_batch_size=8",
              "train.lr=1e-3", "algo.kl_coef=0.001", "model.autocast_bf16=false", "train.learner=deepspeed",
-             "train.zero_stage=2"] + [f"{k}={v}" for k, v in over.items()]
+             "train.zero_stage=2", "train.mini_batches=1"] + [f"{k}={v}" for k, v in over.items()]
     return load_config(None, items)
 
 
@@ -29,6 +29,23 @@ def _cfg(tiny_model, **over):
 def ds_env(tmp_path_factory):
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(tmp_path_factory.mktemp("torch-ext")))
     yield
+
+
+def test_several_optimizer_steps_per_learner_step_match_torch_learner(tiny_model, ds_env):
+    """Two mini-batches and an LR warm-up: DeepSpeed steps its schedule per optimizer step,
+    the learner counts learner steps as TorchLearner does, so both give the same weights."""
+    from prorl_async.learners.deepspeed import DeepSpeedLearner
+    from prorl_async.learners.torch_learner import TorchLearner
+
+    cfg = _cfg(tiny_model, **{"train.mini_batches": 2, "train.warmup_lr_steps": 5})
+    table = graded_table(groups=4, n=4, seed=2)
+    tl, dl = TorchLearner(cfg, tiny_model), DeepSpeedLearner(cfg, tiny_model)
+    for step in range(2):
+        mt, md = tl.train_step(table, step), dl.train_step(table, step)
+        assert md["actor/lr"] == pytest.approx(mt["actor/lr"])
+        assert md["actor/pg_loss"] == pytest.approx(mt["actor/pg_loss"], rel=1e-4, abs=1e-6)
+    for (_, p1), (_, p2) in zip(tl.named_tensors(), dl.named_tensors()):
+        torch.testing.assert_close(p1, p2, rtol=1e-4, atol=1e-5)
 
 
 def test_first_step_matches_torch_learner_then_trains_and_resets(tiny_model, ds_env):
