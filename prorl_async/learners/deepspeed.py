@@ -40,10 +40,10 @@ import torch
 import torch.distributed as dist
 
 from prorl_async.algo.advantages import compute_advantages
-from prorl_async.algo.losses import entropy_from_logits, kl_penalty, logprobs_from_logits, policy_loss
+from prorl_async.algo.losses import entropy_from_logits, logprobs_from_logits
 from prorl_async.algo.reference import ReferenceResetPolicy
 from prorl_async.algo.shaping import LengthPenaltySchedule, shape_rewards
-from prorl_async.learners.torch_learner import _acc, _cpu_has_bf16, _metric_name, batch_to_tensors
+from prorl_async.learners.torch_learner import _acc, _cpu_has_bf16, batch_to_tensors, micro_batch_loss
 from prorl_async.learners.weight_sync import free_port
 from prorl_async.models import load_model
 
@@ -199,33 +199,16 @@ class DeepSpeedLearner:
                     logp, ent = self._logprobs(self.engine, b, rows, with_entropy=True)
                     mk = mask[rows].to(logp.device)
                     old = old_all[rows].to(logp.device) if multi else logp.detach()
-                    pg, pm = policy_loss(
-                        logp, old, adv[rows].to(logp.device), mk,
-                        clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
-                        behavior_logprobs=b["behavior_logprobs"][rows].to(logp.device),
-                        is_mode=a.is_mode, is_low=a.is_low, is_high=a.is_high, num_tokens=global_tokens)
-                    loss = pg
-                    if ref_all is not None:
-                        kl = kl_penalty(logp, ref_all[rows].to(logp.device), a.kl_kind, mask=mk)
-                        kl_term = torch.where(mk > 0, kl, torch.zeros_like(kl)).sum() / global_tokens
-                        loss = loss + a.kl_coef * kl_term
-                        _acc(agg, "kl/loss_term", float(kl_term.detach()) * global_tokens)
-                    ent_term = torch.where(mk > 0, ent, torch.zeros_like(ent)).sum() / global_tokens
-                    if a.entropy_coef:
-                        loss = loss - a.entropy_coef * ent_term
+                    loss, sums = micro_batch_loss(
+                        a, logp, ent, old, adv[rows].to(logp.device), b["behavior_logprobs"][rows].to(logp.device),
+                        ref_all[rows].to(logp.device) if ref_all is not None else None, mk, global_tokens)
                     if not torch.isfinite(loss):
                         skipped += 1
                         loss = logp.sum() * 0.0  # zero gradient, collectives stay in step
                     self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
                     self.engine.step()
-                    w = float(mk.sum())
-                    _acc(agg, "actor/pg_loss", float(pg.detach()) * global_tokens)
-                    _acc(agg, "actor/entropy", float(ent_term.detach()) * global_tokens)
-                    for k, v in pm.items():
-                        _acc(agg, _metric_name(k), v * w)
-                    _acc(agg, "_tokens", w)
-                    diff = (old - b["behavior_logprobs"][rows].to(logp.device)).abs()
-                    _acc(agg, "is/logprob_abs_diff", float(torch.where(mk > 0, diff, torch.zeros_like(diff)).sum()))
+                    for k, v in sums.items():
+                        _acc(agg, k, v)
                 updates += 1
                 gn = self.engine.get_global_grad_norm()
                 if gn is not None:

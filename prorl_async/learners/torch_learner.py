@@ -170,32 +170,15 @@ class TorchLearner:
                         finite = False  # the model itself produced NaN/inf: skip this update
                         break
                     old = old_all[rows].to(logp.device) if multi else logp.detach()
-                    pg, pm = policy_loss(
-                        logp, old, adv[rows].to(logp.device), mk,
-                        clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
-                        behavior_logprobs=b["behavior_logprobs"][rows].to(logp.device),
-                        is_mode=a.is_mode, is_low=a.is_low, is_high=a.is_high, num_tokens=mb_tokens)
-                    loss = pg
-                    if ref_all is not None:
-                        kl = kl_penalty(logp, ref_all[rows].to(logp.device), a.kl_kind, mask=mk)
-                        kl_term = torch.where(mk > 0, kl, torch.zeros_like(kl)).sum() / mb_tokens
-                        loss = loss + a.kl_coef * kl_term
-                        _acc(agg, "kl/loss_term", float(kl_term.detach()) * mb_tokens)
-                    ent_term = torch.where(mk > 0, ent, torch.zeros_like(ent)).sum() / mb_tokens
-                    if a.entropy_coef:
-                        loss = loss - a.entropy_coef * ent_term
+                    loss, sums = micro_batch_loss(
+                        a, logp, ent, old, adv[rows].to(logp.device), b["behavior_logprobs"][rows].to(logp.device),
+                        ref_all[rows].to(logp.device) if ref_all is not None else None, mk, mb_tokens)
                     if not torch.isfinite(loss):
                         finite = False
                         break
                     loss.backward()
-                    w = float(mk.sum())  # weight metrics by this micro-batch's tokens
-                    _acc(agg, "actor/pg_loss", float(pg.detach()) * mb_tokens)
-                    _acc(agg, "actor/entropy", float(ent_term.detach()) * mb_tokens)
-                    for k, v in pm.items():
-                        _acc(agg, _metric_name(k), v * w)
-                    _acc(agg, "_tokens", w)
-                    diff = (old - b["behavior_logprobs"][rows].to(logp.device)).abs()
-                    _acc(agg, "is/logprob_abs_diff", float(torch.where(mk > 0, diff, torch.zeros_like(diff)).sum()))
+                    for k, v in sums.items():
+                        _acc(agg, k, v)
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip) if finite else torch.tensor(float("nan"))
                 if not finite or not torch.isfinite(grad_norm):
                     self.opt.zero_grad(set_to_none=True)
@@ -306,6 +289,36 @@ def _load_weights(model, tensors: dict, what: str) -> None:
     for n, t in model.state_dict().items():
         if n in tensors:
             t.copy_(tensors[n].to(t.dtype))
+
+
+def micro_batch_loss(a, logp: torch.Tensor, ent: torch.Tensor, old: torch.Tensor, adv: torch.Tensor,
+                     behavior: torch.Tensor, ref: Optional[torch.Tensor], mk: torch.Tensor,
+                     num_tokens: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss of one micro-batch (``a`` = AlgoConfig): importance-corrected PPO-Clip + ``kl_coef`` *
+    KL to the reference - ``entropy_coef`` * entropy, each a sum over valid tokens divided by
+    ``num_tokens`` (the mini-batch's, or the global count), so micro-batches add up to the token
+    mean. Returns the loss and token-weighted metric sums to accumulate (``_tokens`` = weight)."""
+    pg, pm = policy_loss(logp, old, adv, mk, clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
+                         behavior_logprobs=behavior, is_mode=a.is_mode, is_low=a.is_low, is_high=a.is_high,
+                         num_tokens=num_tokens)
+    zeros = torch.zeros_like(logp)
+    loss = pg
+    sums: dict[str, float] = {}
+    if ref is not None:
+        kl_term = torch.where(mk > 0, kl_penalty(logp, ref, a.kl_kind, mask=mk), zeros).sum() / num_tokens
+        loss = loss + a.kl_coef * kl_term
+        sums["kl/loss_term"] = float(kl_term.detach()) * num_tokens
+    ent_term = torch.where(mk > 0, ent, zeros).sum() / num_tokens
+    if a.entropy_coef:
+        loss = loss - a.entropy_coef * ent_term
+    w = float(mk.sum())  # metrics of this micro-batch weigh by its valid tokens
+    sums["actor/pg_loss"] = float(pg.detach()) * num_tokens
+    sums["actor/entropy"] = float(ent_term.detach()) * num_tokens
+    for k, v in pm.items():
+        sums[_metric_name(k)] = v * w
+    sums["_tokens"] = w
+    sums["is/logprob_abs_diff"] = float(torch.where(mk > 0, (old - behavior).abs(), zeros).sum())
+    return loss, sums
 
 
 def _acc(d: dict, k: str, v: float) -> None:
