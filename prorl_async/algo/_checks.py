@@ -20,6 +20,14 @@ def valid_positions(mask: torch.Tensor) -> torch.Tensor:
     return mask != 0
 
 
+def sample_mask(fn: str, valid: Optional[torch.Tensor], n: int, device) -> torch.Tensor:
+    """Bool [n] of gradable samples from an optional ``valid`` argument (all True when None)."""
+    if valid is None:
+        return torch.ones(n, dtype=torch.bool, device=device)
+    check_shape(fn, "valid", valid, (n,))
+    return valid_positions(valid)
+
+
 def check_finite(
     fn: str, name: str, x: torch.Tensor, valid: Optional[torch.Tensor] = None
 ) -> None:

@@ -56,6 +56,7 @@ from ._checks import (
     check_ndim,
     check_shape,
     float_dtype,
+    sample_mask,
     valid_positions,
 )
 
@@ -101,11 +102,7 @@ class _Groups:
             raise ValueError(
                 f"{fn}: `mask` has {mask.shape[0]} rows but `rewards` has {n} entries"
             )
-        if valid is None:
-            sample_valid = torch.ones(n, dtype=torch.bool, device=rewards.device)
-        else:
-            check_shape(fn, "valid", valid, (n,))
-            sample_valid = valid_positions(valid)
+        sample_valid = sample_mask(fn, valid, n, rewards.device)
         check_finite(fn, "rewards", rewards, sample_valid)
 
         self.out_dtype = float_dtype(rewards)

@@ -24,7 +24,7 @@ from typing import Any, Deque, Dict, Hashable, List, Mapping, Optional, Sequence
 
 import torch
 
-from ._checks import check_finite, check_ndim, check_shape, valid_positions
+from ._checks import check_finite, check_ndim, check_shape, sample_mask
 
 __all__ = ["DynamicSamplingCollector", "informative_groups"]
 
@@ -48,10 +48,7 @@ def informative_groups(
     check_ndim(fn, "rewards", rewards, 1)
     n = rewards.shape[0]
     check_shape(fn, "group_index", group_index, (n,))
-    ok = torch.ones(n, dtype=torch.bool, device=rewards.device)
-    if valid is not None:
-        check_shape(fn, "valid", valid, (n,))
-        ok = valid_positions(valid)
+    ok = sample_mask(fn, valid, n, rewards.device)
     check_finite(fn, "rewards", rewards, ok)
     if n == 0:
         return torch.zeros(0, dtype=torch.bool, device=rewards.device)

@@ -49,7 +49,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 
-from ._checks import check_finite, check_ndim, check_shape, valid_positions
+from ._checks import check_finite, check_ndim, check_shape, sample_mask, valid_positions
 
 __all__ = [
     "LengthPenaltySchedule",
@@ -233,11 +233,7 @@ def shape_rewards(
         raise ValueError(
             f"{fn}: unknown overlong_mode {overlong_mode!r}; valid choices: {', '.join(OVERLONG_MODES)}"
         )
-    if valid is None:
-        ok = torch.ones(n, dtype=torch.bool, device=raw_rewards.device)
-    else:
-        check_shape(fn, "valid", valid, (n,))
-        ok = valid_positions(valid)
+    ok = sample_mask(fn, valid, n, raw_rewards.device)
     check_finite(fn, "raw_rewards", raw_rewards, ok)
     is_truncated = valid_positions(truncated)
 
