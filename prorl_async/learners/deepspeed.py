@@ -43,7 +43,7 @@ from prorl_async.algo.advantages import compute_advantages
 from prorl_async.algo.losses import entropy_from_logits, logprobs_from_logits
 from prorl_async.algo.reference import ReferenceResetPolicy
 from prorl_async.algo.shaping import LengthPenaltySchedule, shape_rewards
-from prorl_async.learners.torch_learner import _acc, _cpu_has_bf16, batch_to_tensors, micro_batch_loss
+from prorl_async.learners.torch_learner import _acc, _cpu_has_bf16, batch_metrics, batch_to_tensors, micro_batch_loss
 from prorl_async.learners.weight_sync import free_port
 from prorl_async.models import load_model
 
@@ -227,18 +227,8 @@ class DeepSpeedLearner:
             "actor/lr": self.lr_sched.get_last_lr()[0] if self.lr_sched is not None else t.lr,
             "actor/skipped_microbatches": float(self.skipped_total),
             "actor/updates": float(updates),
-            "len/response_mean": float(b["lengths"].float().mean()),
-            "len/truncated_frac": float(b["truncated"].float().mean()),
-            "perf/train_s": dt,
-            "perf/train_tok_s": float(b["attention_mask"].sum() * t.ppo_epochs) / dt,
-            "perf/train_valid_tokens": float(mask.sum()),
-            "async/trained_staleness_max": float((self.version - 1 - b["policy_version"]).max()),
-            "async/trained_staleness_mean": float((self.version - 1 - b["policy_version"]).float().mean()),
-            "ref/reset": 1.0 if cause else 0.0,
-            "policy_version": float(self.version),
+            **batch_metrics({**b, "mask": mask}, self.version, dt, t.ppo_epochs, cause),
         })
-        if cause:
-            metrics[f"ref/reset_{cause}"] = 1.0
         return metrics
 
     # ------------------------------------------------------------------ reference, weights

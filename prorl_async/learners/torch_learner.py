@@ -204,7 +204,6 @@ class TorchLearner:
         if cause:
             self.reset_reference(cause)
         dt = time.perf_counter() - t0
-        valid_tokens = float(b["mask"].sum())
         metrics.update(shape_metrics)
         metrics.update({
             "actor/grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
@@ -212,18 +211,8 @@ class TorchLearner:
             "actor/skipped_updates": float(self.skipped_total),
             "is/nonfinite_behavior_samples": float(beh_bad.sum()),
             "actor/updates": float(updates),
-            "len/response_mean": float(b["lengths"].float().mean()),
-            "len/truncated_frac": float(b["truncated"].float().mean()),
-            "perf/train_s": dt,
-            "perf/train_tok_s": float((b["attention_mask"].sum()) * t.ppo_epochs) / dt,
-            "perf/train_valid_tokens": valid_tokens,
-            "async/trained_staleness_max": float((self.version - 1 - b["policy_version"]).max()),
-            "async/trained_staleness_mean": float((self.version - 1 - b["policy_version"]).float().mean()),
-            "ref/reset": 1.0 if cause else 0.0,
-            "policy_version": float(self.version),
+            **batch_metrics(b, self.version, dt, t.ppo_epochs, cause),
         })
-        if cause:
-            metrics[f"ref/reset_{cause}"] = 1.0
         return metrics
 
     # ------------------------------------------------------------------ reference, weights
@@ -289,6 +278,26 @@ def _load_weights(model, tensors: dict, what: str) -> None:
     for n, t in model.state_dict().items():
         if n in tensors:
             t.copy_(tensors[n].to(t.dtype))
+
+
+def batch_metrics(b: dict, version: int, dt: float, ppo_epochs: int, cause: Optional[str]) -> dict[str, float]:
+    """What one learner step reports about its batch, timing, staleness and reference reset.
+    ``version`` is the learner's version after the step; ``b["mask"]`` the loss mask it used."""
+    staleness = version - 1 - b["policy_version"]
+    out = {
+        "len/response_mean": float(b["lengths"].float().mean()),
+        "len/truncated_frac": float(b["truncated"].float().mean()),
+        "perf/train_s": dt,
+        "perf/train_tok_s": float(b["attention_mask"].sum() * ppo_epochs) / dt,
+        "perf/train_valid_tokens": float(b["mask"].sum()),
+        "async/trained_staleness_max": float(staleness.max()),
+        "async/trained_staleness_mean": float(staleness.float().mean()),
+        "ref/reset": 1.0 if cause else 0.0,
+        "policy_version": float(version),
+    }
+    if cause:
+        out[f"ref/reset_{cause}"] = 1.0
+    return out
 
 
 def micro_batch_loss(a, logp: torch.Tensor, ent: torch.Tensor, old: torch.Tensor, adv: torch.Tensor,
