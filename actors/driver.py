@@ -512,6 +512,7 @@ class TrainingLoop:
         import torch
 
         from prorl_async import checkpoint
+        from prorl_async.rng import rng_state
 
         if self.run_dir is None:
             return None
@@ -528,7 +529,7 @@ class TrainingLoop:
             save_config(self.cfg, tmp / "config.yaml")
             pq.write_table(buf["table"], tmp / "buffer.parquet")
             (tmp / "driver.json").write_text(json.dumps(self.state_dict(buf["counters"]), default=_jsonable))
-            torch.save(checkpoint.rng_state(), tmp / "driver_rng.pt")
+            torch.save(rng_state(), tmp / "driver_rng.pt")
             (tmp / "history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in self.history))
             return {"version": s.version, "reason": reason, "groups_consumed": s.consumed,
                     "prompts_drawn": self.source.consumed, "buffered_groups": s.buffered}
@@ -560,7 +561,7 @@ class TrainingLoop:
         import pyarrow.parquet as pq
         import torch
 
-        from prorl_async.checkpoint import set_rng_state
+        from prorl_async.rng import set_rng_state
 
         d = json.loads((ckpt.path / "driver.json").read_text())
         version = _get(self.actors.generators, self.actors.learner.load_checkpoint.remote(str(ckpt.path.resolve())),

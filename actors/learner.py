@@ -9,7 +9,7 @@ import ray
 import torch
 
 from prorl_async.learners.torch_learner import TorchLearner
-from prorl_async.learners.weight_sync import WeightSyncGroup, free_port, local_ip, tensor_checksum
+from prorl_async.weight_sync import WeightSyncGroup, free_port, local_ip, tensor_checksum
 
 
 @ray.remote

@@ -39,7 +39,7 @@ def llama_named(size: str, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]
 
 
 def _receiver(port: int, sizes: list, dtypes: list, repeats: int, q) -> None:
-    from prorl_async.learners.weight_sync import WeightSyncGroup
+    from prorl_async.weight_sync import WeightSyncGroup
     torch.set_num_threads(1)
     g = WeightSyncGroup("127.0.0.1", port, 1, 2, "gloo", timeout_s=600)
     for _ in sizes:
@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="syncs per size and dtype (best is reported)")
     args = ap.parse_args()
     sizes, dtypes = args.sizes.split(","), args.dtypes.split(",")
-    from prorl_async.learners.weight_sync import WeightSyncGroup, free_port
+    from prorl_async.weight_sync import WeightSyncGroup, free_port
 
     torch.set_num_threads(1)
     mem = memcpy_gbps()

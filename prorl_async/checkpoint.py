@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import secrets
 import shutil
@@ -303,28 +302,6 @@ def resume_config(ckpt: Checkpoint, run_dir, overrides: list[str]):
 
 
 # ---------------------------------------------------------------------------- RNG states
-def rng_state() -> dict:
-    """python, numpy and torch (CPU, and CUDA when present) RNG states of this process."""
-    import numpy as np
-    import torch
-
-    out = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = torch.cuda.get_rng_state_all()
-    return out
-
-
-def set_rng_state(state: dict) -> None:
-    import numpy as np
-    import torch
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 # ---------------------------------------------------------------------------- learner files
 def _dedup(tensors: dict) -> dict:
     """Drop tensors that share storage with an earlier one (tied weights; safetensors refuses them)."""

@@ -17,7 +17,7 @@ from typing import Iterable
 import torch
 
 from prorl_async.engines.base import Completion, SamplingSpec
-from prorl_async.learners.weight_sync import WeightSyncGroup, tensor_checksum
+from prorl_async.weight_sync import WeightSyncGroup, tensor_checksum
 from prorl_async.models import load_model, load_tokenizer
 
 

@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 
 from prorl_async.engines.base import Completion, SamplingSpec
-from prorl_async.learners.weight_sync import WeightSyncError, tensor_checksum
+from prorl_async.weight_sync import WeightSyncError, tensor_checksum
 from prorl_async.models import load_model, load_tokenizer
 
 WORKER_EXTENSION = "prorl_async.engines.vllm_worker.WeightSyncWorkerExtension"

@@ -3,7 +3,7 @@
 vLLM mixes this class into its worker (``LLM(worker_extension_cls=...)``); the engine front
 end (:mod:`prorl_async.engines.vllm`) calls its methods through ``collective_rpc`` with
 small arguments only — tensors never travel through RPC payloads. Each worker joins the
-learner's :class:`~prorl_async.learners.weight_sync.WeightSyncGroup` as its own rank
+learner's :class:`~prorl_async.weight_sync.WeightSyncGroup` as its own rank
 (with tensor parallelism every TP rank receives the full checkpoint-format tensors and
 vLLM's loaders shard them), receives the buckets by broadcast (gloo on CPU, NCCL on GPU),
 and checks the sender's manifest (names, shapes, dtypes) and every bucket checksum before
@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from prorl_async.learners.weight_sync import WeightSyncError, WeightSyncGroup, tensor_checksum
+from prorl_async.weight_sync import WeightSyncError, WeightSyncGroup, tensor_checksum
 
 
 class WeightSyncWorkerExtension:

@@ -44,7 +44,7 @@ from prorl_async.algo.losses import entropy_from_logits, logprobs_from_logits
 from prorl_async.algo.reference import ReferenceResetPolicy
 from prorl_async.algo.shaping import LengthPenaltySchedule, shape_rewards
 from prorl_async.learners.torch_learner import _acc, _cpu_has_bf16, batch_metrics, batch_to_tensors, micro_batch_loss
-from prorl_async.learners.weight_sync import free_port
+from prorl_async.weight_sync import free_port
 from prorl_async.models import load_model
 
 
@@ -273,7 +273,7 @@ class DeepSpeedLearner:
         this rank's RNG states. A collective: every rank calls it."""
         from pathlib import Path
 
-        from prorl_async.checkpoint import rng_state
+        from prorl_async.rng import rng_state
 
         d = Path(path) / "learner" / "deepspeed"
         self.engine.save_checkpoint(str(d), tag="state", save_latest=False, client_state={
@@ -287,7 +287,7 @@ class DeepSpeedLearner:
         ``path/learner/reference.safetensors`` when the run has a reference."""
         from pathlib import Path
 
-        from prorl_async.checkpoint import set_rng_state
+        from prorl_async.rng import set_rng_state
 
         d = Path(path) / "learner" / "deepspeed"
         loaded, client = self.engine.load_checkpoint(str(d), tag="state", load_optimizer_states=True,

@@ -236,7 +236,7 @@ class TorchLearner:
     def state_dict(self) -> dict:
         """Everything an exact resume needs: weights (policy, reference), AdamW and LR-scheduler
         state, the algo state objects, counters, and this process's RNG states."""
-        from prorl_async.checkpoint import rng_state
+        from prorl_async.rng import rng_state
 
         return {
             "model": {n: p.detach() for n, p in self.model.state_dict().items()},
@@ -253,7 +253,7 @@ class TorchLearner:
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
-        from prorl_async.checkpoint import set_rng_state
+        from prorl_async.rng import set_rng_state
 
         _load_weights(self.model, sd["model"], "policy")
         if self.ref is not None:

@@ -14,7 +14,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 from prorl_async.engines.base import SamplingSpec  # noqa: E402
-from prorl_async.learners.weight_sync import WeightSyncError, WeightSyncGroup, free_port, tensor_checksum  # noqa: E402
+from prorl_async.weight_sync import WeightSyncError, WeightSyncGroup, free_port, tensor_checksum  # noqa: E402
 
 PROMPTS = ["12+7=", "3*4=", "(5-2)*3=", "9+9=", "40-13=", "6*7="]
 LOGPROB_TOL = 1e-4  # fp32 on CPU: engine vs learner logprobs of the same tokens

@@ -35,5 +35,5 @@ def run(rank: int, out: str, port: int) -> None:
 
 
 if __name__ == "__main__":
-    from prorl_async.learners.weight_sync import free_port
+    from prorl_async.weight_sync import free_port
     mp.spawn(run, args=(sys.argv[1], free_port()), nprocs=2)

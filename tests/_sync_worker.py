@@ -15,7 +15,7 @@ def named(seed: int, device: str = "cpu", extra: bool = False):
 
 
 def member(rank: int, port: int, backend: str, device: str, scenario: str, q) -> None:
-    from prorl_async.learners.weight_sync import WeightSyncError, WeightSyncGroup, tensor_checksum
+    from prorl_async.weight_sync import WeightSyncError, WeightSyncGroup, tensor_checksum
 
     try:
         dev = f"{device}:{rank}" if device == "cuda" else device

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from prorl_async.learners.weight_sync import WeightSyncError, WeightSyncGroup, free_port, tensor_checksum
-from tests.learners._sync_worker import member, named
+from prorl_async.weight_sync import WeightSyncError, WeightSyncGroup, free_port, tensor_checksum
+from tests._sync_worker import member, named
 
 
 def _run(scenario: str, backend: str = "gloo", device: str = "cpu", timeout: float = 90.0) -> dict:
