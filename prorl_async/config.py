@@ -1,6 +1,6 @@
 """Run configuration: frozen, documented dataclasses, YAML files and dotted overrides.
 
-Every field carries a one-line doc (``metadata["doc"]``); ``prorl-async train --help-config``
+Every field carries a one-line doc (``metadata["doc"]``); ``prorl-async config --docs``
 prints them. ``load_config`` builds a :class:`Config` from an optional YAML file plus
 ``section.field=value`` overrides and validates it, raising :class:`ConfigError` with a
 message that names the field and the fix. The resolved config is written to every run
@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import yaml
+
+from prorl_async.algo import ADVANTAGE_ESTIMATORS, IS_MODES, KL_KINDS, OVERLONG_MODES
 
 
 class ConfigError(ValueError):
@@ -273,6 +275,12 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
     return cfg
 
 
+def _one_of(value, choices, key: str) -> None:
+    """``value`` must be one of ``choices`` (the names :mod:`prorl_async.algo` exports)."""
+    names = list(choices)
+    _require(value in names, key, f"must be {', '.join(names[:-1])} or {names[-1]}, got {value!r}")
+
+
 def _require(cond: bool, key: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"{key}: {msg}")
@@ -298,14 +306,13 @@ def validate(cfg: Config) -> None:
     _require(mini % t.micro_batch_size == 0 or t.micro_batch_size >= mini, "train.micro_batch_size",
              f"must divide the mini-batch of {mini} responses (prompts_per_step*n/mini_batches) or exceed it; got {t.micro_batch_size}")
     _require(t.ppo_epochs >= 1, "train.ppo_epochs", f"must be >= 1, got {t.ppo_epochs}")
-    _require(a.advantage in ("reinforce_pp_baseline", "grpo", "rloo"), "algo.advantage",
-             f"must be reinforce_pp_baseline, grpo or rloo, got {a.advantage!r}")
-    _require(a.is_mode in ("tis", "icepop", "none"), "algo.is_mode", f"must be tis, icepop or none, got {a.is_mode!r}")
-    _require(a.kl_kind in ("k1", "k2", "k3"), "algo.kl_kind", f"must be k1, k2 or k3, got {a.kl_kind!r}")
+    _one_of(a.advantage, ADVANTAGE_ESTIMATORS, "algo.advantage")
+    _one_of(a.is_mode, IS_MODES, "algo.is_mode")
+    _one_of(a.kl_kind, KL_KINDS, "algo.kl_kind")
     _require(a.clip_eps_low >= 0 and a.clip_eps_high >= 0, "algo.clip_eps_low",
              "clip ranges must be >= 0")
     _require(a.is_low <= a.is_high, "algo.is_low", f"must be <= algo.is_high ({a.is_low} > {a.is_high})")
-    _require(a.overlong in ("none", "filter", "soft"), "algo.overlong", f"must be none, filter or soft, got {a.overlong!r}")
+    _one_of(a.overlong, OVERLONG_MODES, "algo.overlong")
     _require(a.kl_coef >= 0, "algo.kl_coef", f"must be >= 0, got {a.kl_coef}")
     _require(cfg.model.dtype in ("float32", "bfloat16"), "model.dtype", f"must be float32 or bfloat16, got {cfg.model.dtype!r}")
     _require(cfg.reward.num_workers >= 1, "reward.num_workers", f"must be >= 1, got {cfg.reward.num_workers}")

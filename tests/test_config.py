@@ -2,7 +2,7 @@
 
 import pytest
 
-from prorl_async.cli import main
+from actors.cli import main
 from prorl_async.config import ConfigError, load_config
 
 

@@ -1,4 +1,4 @@
-"""``prorl-async``: train | eval | compare | config.
+"""``prorl-async``: train | config | compare (the command-line entry point, above the Ray layer).
 
     prorl-async train                                   # the embedded default (tiny CPU run)
     prorl-async train --config configs/x.yaml algo.clip_eps_high=0.28 rollout.n=8
