@@ -8,6 +8,7 @@ from __future__ import annotations
 import ray
 import torch
 
+from prorl_async.learners.files import load_learner, write_learner
 from prorl_async.learners.torch_learner import TorchLearner
 from prorl_async.weight_sync import WeightSyncGroup, free_port, local_ip, tensor_checksum
 
@@ -58,21 +59,13 @@ class LearnerActor:
         return path
 
     def save_checkpoint(self, path: str, tokenizer_path: str = "") -> str:
-        """Learner state into a checkpoint directory being written (see prorl_async.checkpoint)."""
-        from prorl_async.checkpoint import write_learner
-
+        """Learner state into a checkpoint directory being written (prorl_async.learners.files)."""
         write_learner(self.learner, path, tokenizer_path)
         return path
 
     def load_checkpoint(self, path: str) -> int:
         """Restore the learner from a checkpoint directory; returns its policy version."""
-        from prorl_async.checkpoint import read_learner
-
-        if hasattr(self.learner, "load_state"):  # DeepSpeed reads its own checkpoint (a collective)
-            self.learner.load_state(path)
-        else:
-            self.learner.load_state_dict(read_learner(path))
-        return self.learner.version
+        return load_learner(self.learner, path)
 
 
 @ray.remote

@@ -34,8 +34,9 @@ What a checkpoint holds (written by the driver and the learner, read back by
     buffer.parquet    the replay buffer's unconsumed rows (rollout schema)
     history.jsonl     per-step metrics so far
 
-Pure: no Ray. The writers of the pieces live with their owners (``TorchLearner.state_dict``,
-``ReplayBuffer.state_dict``, ``TrainingLoop.state_dict``).
+Pure: no Ray. The writers of the pieces live with their owners: the learner's files
+(``policy/``, ``learner/``) in :mod:`prorl_async.learners.files`, the buffer's rows in
+``ReplayBuffer.state_dict``, the driver's part in ``actors/checkpointing.py``.
 """
 
 from __future__ import annotations
@@ -299,83 +300,3 @@ def resume_config(ckpt: Checkpoint, run_dir, overrides: list[str]):
             f"cannot resume {run_dir} with a different {', '.join(refused)} (the checkpoint was trained with "
             f"other values); a resumed run may change only {', '.join(m.rstrip('.') + ('.*' if m.endswith('.') else '') for m in RESUME_MUTABLE)}")
     return cfg
-
-
-# ---------------------------------------------------------------------------- RNG states
-# ---------------------------------------------------------------------------- learner files
-def _dedup(tensors: dict) -> dict:
-    """Drop tensors that share storage with an earlier one (tied weights; safetensors refuses them)."""
-    out, seen = {}, set()
-    for n, t in tensors.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-        if key in seen:
-            continue
-        seen.add(key)
-        out[n] = t.detach().contiguous().cpu()
-    return out
-
-
-def write_learner(learner, path, tokenizer_path: str = "") -> None:
-    """``learner.state_dict()`` into ``path``: ``policy/`` (HF folder, safetensors), ``learner/``
-    (reference weights as safetensors, the rest as ``state.pt``); every file fsynced."""
-    import torch
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    if hasattr(learner, "save_state"):  # DeepSpeed: its own (partitioned) checkpoint, a collective
-        _write_deepspeed(learner, path, tokenizer_path)
-        return
-    sd = learner.state_dict()
-    policy = path / "policy"
-    learner.model.save_pretrained(policy, state_dict=_dedup(sd.pop("model")))
-    if tokenizer_path:
-        from prorl_async.models import load_tokenizer
-
-        try:
-            load_tokenizer(tokenizer_path).save_pretrained(policy)
-        except (OSError, ValueError):
-            pass  # a model folder without a tokenizer; generators then need model.path's
-    (path / "learner").mkdir(parents=True, exist_ok=True)
-    ref = sd.pop("reference")
-    if ref is not None:
-        save_file(_dedup(ref), str(path / "learner" / "reference.safetensors"))
-    torch.save(sd, path / "learner" / "state.pt")
-    fsync_tree(policy)
-    fsync_tree(path / "learner")
-
-
-def _write_deepspeed(learner, path: Path, tokenizer_path: str) -> None:
-    from safetensors.torch import save_file
-
-    named = dict(learner.named_tensors())  # gathered under ZeRO-3: every rank calls it
-    learner.save_state(path)
-    if learner.rank != 0:
-        return
-    policy = path / "policy"
-    learner.model.save_pretrained(policy, state_dict=_dedup(named))
-    if tokenizer_path:
-        from prorl_async.models import load_tokenizer
-
-        try:
-            load_tokenizer(tokenizer_path).save_pretrained(policy)
-        except (OSError, ValueError):
-            pass
-    if learner.ref is not None:
-        save_file(_dedup(dict(learner.ref.state_dict())), str(path / "learner" / "reference.safetensors"))
-    fsync_tree(policy)
-    fsync_tree(path / "learner")
-
-
-def read_learner(path) -> dict:
-    """The state dict :func:`write_learner` wrote (policy weights from ``policy/*.safetensors``)."""
-    import torch
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    sd = torch.load(path / "learner" / "state.pt", map_location="cpu", weights_only=False)
-    sd["model"] = {}
-    for f in sorted((path / "policy").glob("*.safetensors")):
-        sd["model"].update(load_file(str(f)))
-    ref = path / "learner" / "reference.safetensors"
-    sd["reference"] = load_file(str(ref)) if ref.is_file() else None
-    return sd
