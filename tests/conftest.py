@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def ray_cluster():
     import ray
 
-    from actors.driver import local_cluster_auth
+    from actors.cluster import local_cluster_auth
 
     local_cluster_auth()
     tmp = tempfile.mkdtemp(prefix="prorl-ray-", dir="/tmp")

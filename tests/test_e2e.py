@@ -94,7 +94,7 @@ def test_grader_failures_mark_samples_invalid_and_run_continues(tmp_path, model_
 def test_weights_identical_after_sync(ray_cluster, tiny_model):
     import ray
 
-    from actors.driver import Actors
+    from actors.cluster import Actors
     from prorl_async.config import load_config
     from prorl_async.data import arithmetic
 

@@ -230,7 +230,7 @@ PLACEMENT_SCRIPT = r"""
 import os
 import ray
 from prorl_async.config import load_config
-from actors.driver import RunError, generator_placement
+from actors.cluster import RunError, generator_placement
 
 ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, logging_level="ERROR",
          _temp_dir=os.environ["PRORL_TEST_RAY_TMP"])

@@ -253,3 +253,12 @@ def mix(sources: dict[str, list[dict]], weights: dict[str, float], n: int, seed:
             out.append(row if lap == 0 else {**row, "id": f"{row['id']}~{lap}"})
     random.Random(f"mix-{seed}").shuffle(out)
     return out
+
+
+def load_train_rows(data) -> list[dict]:
+    """The training rows of a run's ``data`` config: ``data.train``, or the weighted ``data.mix``."""
+    if not data.mix:
+        return load_rows(data.train, strict=data.strict)
+    sources = {e["source"]: load_rows(e["source"], strict=data.strict) for e in data.mix}
+    weights = {e["source"]: float(e["weight"]) for e in data.mix}
+    return mix(sources, weights, data.mix_size, seed=data.shuffle_seed)

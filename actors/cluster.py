@@ -1,0 +1,194 @@
+"""Cluster start-up and actor wiring: join or start Ray, place and start the actors, form the
+weight-sync group (:mod:`prorl_async.weight_sync`), and turn Ray failures into one clear error.
+
+Placement follows the config's resources (``rollout.generator_num_gpus`` ... ; docs/cluster.md).
+A generator is restarted by Ray up to ``rollout.max_generator_failures`` times; the driver then
+re-forms the weight-sync group and gives it the current weights before it serves again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+
+from prorl_async.config import Config
+
+from actors.generator import GeneratorActor
+from actors.grader import GraderActor
+from actors.learner import start_learner
+from actors.replay_buffer import ReplayBufferActor
+
+
+class RunError(RuntimeError):
+    """A run that cannot go on; the message says why."""
+
+
+def cause(err: Exception) -> str:
+    """``Type: last line of the message`` of the exception behind a Ray error."""
+    c = getattr(err, "cause", None) or err
+    return f"{type(c).__name__}: {str(c).strip().splitlines()[-1] if str(c).strip() else ''}"
+
+
+def actor_died(err: Exception) -> bool:
+    """True if a failed request's chain (generate -> grade -> put) failed because an actor died."""
+    seen = 0
+    while err is not None and seen < 5:
+        if isinstance(err, (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError,
+                            ray.exceptions.ActorUnavailableError)):
+            return True
+        err = getattr(err, "cause", None)
+        seen += 1
+    return False
+
+
+def local_cluster_auth() -> None:
+    """Token auth for a local cluster started by this process, with the token in the environment only."""
+    if os.environ.get("RAY_AUTH_MODE") is not None:
+        return
+    os.environ["RAY_AUTH_MODE"] = "token"
+    default_token = Path.home() / ".ray" / "auth_token"
+    if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or default_token.exists()):
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    from ray._raylet import Config as _RayConfig  # Ray caches the auth mode at import time
+    _RayConfig.initialize("")
+
+
+def init_ray(cfg: Config) -> bool:
+    """Join the configured / job cluster, or start a local one. Returns True if started here.
+
+    Ray 2.60 turns token authentication on for new local clusters and would write a token to
+    ``~/.ray/auth_token``. A local cluster started here keeps auth on but passes a fresh
+    token through the environment only (``RAY_AUTH_TOKEN``), so nothing is written outside
+    the run's directories; ``RAY_AUTH_MODE=disabled`` opts out. Joining an existing cluster
+    uses whatever token the environment or ``~/.ray/auth_token`` provides.
+    """
+    if ray.is_initialized():
+        return False
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING)
+        return False
+    local_cluster_auth()
+    ray.init(num_cpus=cfg.ray.num_cpus or None, include_dashboard=False, logging_level=logging.WARNING,
+             configure_logging=True, log_to_driver=True)
+    return True
+
+
+PLACEMENT_TIMEOUT_S = 300.0
+
+
+def generator_placement(cfg: Config, index: int, timeout_s: float = PLACEMENT_TIMEOUT_S) -> tuple[dict, object]:
+    """Ray options for generator ``index``, and its placement group (None below 2 GPUs).
+
+    A generator that asks for more than one GPU (a tensor-parallel vLLM engine) gets its own
+    placement group: one STRICT_PACK bundle with all its GPUs and CPUs, reserved together on
+    one node before the engine starts. The engine's processes and any Ray tasks it starts
+    (captured as child tasks) share that bundle, and a cluster with no node that fits fails
+    here with the numbers instead of leaving the actor pending.
+    """
+    r = cfg.rollout
+    opts = {"num_cpus": r.generator_num_cpus, "num_gpus": r.generator_num_gpus}
+    if r.generator_num_gpus <= 1:
+        return opts, None
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle = {"GPU": r.generator_num_gpus, **({"CPU": r.generator_num_cpus} if r.generator_num_cpus else {})}
+    pg = placement_group([bundle], strategy="STRICT_PACK", name=f"prorl-generator-{index}")
+    if not pg.wait(timeout_seconds=timeout_s):
+        remove_placement_group(pg)
+        raise RunError(f"no node can hold generator {index}'s bundle {bundle} (rollout.generator_num_gpus="
+                       f"{r.generator_num_gpus}, rollout.generator_num_cpus={r.generator_num_cpus}) within "
+                       f"{timeout_s:.0f}s; cluster resources: {ray.cluster_resources()}")
+    opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+        pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)
+    return opts, pg
+
+
+@dataclass
+class Actors:
+    generators: list
+    grader: object
+    buffer: object
+    learner: object
+    placement_groups: list = field(default_factory=list)
+    sync_epoch: int = 0
+
+    @classmethod
+    def start(cls, cfg: Config, model_path: str, name: str = "") -> "Actors":
+        r, t = cfg.rollout, cfg.train
+        learner = start_learner(cfg, model_path, f"{name}/learner" if name else "")  # or a data-parallel LearnerGroup
+        placed = [generator_placement(cfg, i) for i in range(r.num_generators)]
+        # Ray restarts a dead generator (up to max_generator_failures times); the driver then
+        # re-forms the weight-sync group and gives it the current weights before it serves.
+        gens = [GeneratorActor.options(**opts, max_restarts=r.max_generator_failures, max_task_retries=0,
+                                       **({"name": f"{name}/generator-{i}"} if name else {}))
+                .remote(cfg, model_path, i) for i, (opts, _) in enumerate(placed)]
+        grader = GraderActor.options(num_cpus=0).remote(cfg)
+        buffer = ReplayBufferActor.options(num_cpus=0).remote(t.max_staleness, cfg.algo.dynamic_sampling)
+        actors = cls(gens, grader, buffer, learner, [pg for _, pg in placed if pg is not None])
+        get([g.ready.remote() for g in gens] + [grader.ready.remote()], 600, "starting the actors")
+        actors.form_weight_sync(cfg)
+        return actors
+
+    def form_weight_sync(self, cfg: Config) -> None:
+        """(Re)build the weight-sync group: learner rank 0 + every generator (a TP=k engine takes k ranks)."""
+        r, t = cfg.rollout, cfg.train
+        backend = cfg.ray.weight_sync_backend
+        if backend == "auto":
+            backend = "nccl" if r.generator_num_gpus > 0 and t.learner_num_gpus > 0 else "gloo"
+        self.sync_epoch += 1
+        host, port = get(self.learner.sync_address.remote(self.sync_epoch), 600, "weight sync")
+        ranks = get([g.weight_sync_ranks.remote() for g in self.generators], 600, "weight sync")
+        world = 1 + sum(ranks)
+        get([self.learner.init_weight_sync.remote(host, port, world, backend)]
+             + [g.init_weight_sync.remote(host, port, 1 + sum(ranks[:i]), world, backend)
+                for i, g in enumerate(self.generators)], t.sync_timeout_s, "forming the weight-sync group")
+
+    def wait_generators_ready(self, timeout_s: float = 600.0) -> None:
+        """Every generator answers again (a restarting actor refuses calls until it is back)."""
+        deadline = time.time() + timeout_s
+        for i, g in enumerate(self.generators):
+            while True:
+                try:
+                    ray.get(g.ready.remote(), timeout=max(1.0, deadline - time.time()))
+                    break
+                except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError) as e:
+                    if time.time() > deadline:
+                        raise RunError(f"generator {i} did not come back within {timeout_s:.0f}s: {cause(e)}") from None
+                    time.sleep(0.5)
+
+    def sync_all(self, cfg: Config, what: str) -> list[int]:
+        """The learner's current weights to every generator at once; their policy versions."""
+        infos = get([self.learner.broadcast_weights.remote()] + [g.receive_weights.remote() for g in self.generators],
+                    cfg.train.sync_timeout_s, what)
+        return [info["version"] for info in infos[1:]]
+
+    def all(self) -> list:
+        return [*self.generators, self.grader, self.buffer, self.learner]
+
+    def shutdown(self) -> None:
+        for a in self.all():
+            try:
+                ray.kill(a)
+            except Exception:
+                pass
+        for pg in self.placement_groups:
+            ray.util.remove_placement_group(pg)
+
+
+def get(refs, timeout: float, what: str):
+    """``ray.get`` whose failures become one clear :class:`RunError`."""
+    try:
+        return ray.get(refs, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise RunError(f"{what}: no answer within {timeout:.0f}s") from None
+    except ray.exceptions.RayTaskError as e:
+        cause = e.cause if getattr(e, "cause", None) is not None else e
+        raise RunError(f"{what} failed: {type(cause).__name__}: {cause}") from None

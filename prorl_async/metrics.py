@@ -1,0 +1,86 @@
+"""Metric arithmetic of a run, as pure functions: correctness, per-step rollout and timing
+metrics, held-out pass@1 / pass@k.
+
+* ``is_correct``: a response is correct iff its verifier reward is 1 (within ``CORRECT_TOL``);
+  partial credit (a fraction of tests passed) is not. The one rule every reader uses (buffer
+  stats, learners' length shaping, evaluation).
+* ``pass@k`` here is the empirical one of the k samples drawn per prompt (any of them
+  correct), and ``pass@1`` the mean correctness over those samples; Chen et al. 2021
+  (arXiv 2107.03374, eq. 1) with n = k, i.e. no unbiased estimator from n > k samples.
+* Invalid samples (the grader could not decide) count as not correct in evaluation; in the
+  rollout metrics they are left out of the means and counted as ``reward/invalid``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable
+
+CORRECT_TOL = 1e-6
+
+
+def is_correct(reward):
+    """True where ``reward`` (a float, numpy array or torch tensor of verifier rewards) is 1."""
+    return reward >= 1.0 - CORRECT_TOL
+
+
+def rollout_metrics(window: dict, dt: float) -> dict[str, float]:
+    """Rollout metrics of one learner step from the sums ``window`` gathered since the last one
+    (``samples``, ``valid``, ``correct``, ``reward_sum``, ``response_tokens``), over ``dt`` seconds."""
+    w = defaultdict(float, window)
+    dt = max(dt, 1e-9)
+    valid = max(w["valid"], 1.0)
+    return {
+        "reward/mean": w["reward_sum"] / valid,
+        "reward/accuracy": w["correct"] / valid,
+        "reward/invalid": w["samples"] - w["valid"],
+        "len/generated_mean": w["response_tokens"] / max(w["samples"], 1.0),
+        "perf/gen_tok_s": w["response_tokens"] / dt,
+        "perf/samples_s": w["samples"] / dt,
+        "perf/step_s": dt,
+    }
+
+
+def domain_metrics(window: dict) -> dict[str, dict[str, float]]:
+    """Per domain: ``reward/accuracy`` and ``reward/mean`` from the ``domain_*/<domain>`` sums."""
+    w = defaultdict(float, window)
+    out = {}
+    for key, v in window.items():
+        if key.startswith("domain_valid/"):
+            dom = key.split("/", 1)[1]
+            out[dom] = {"reward/accuracy": w[f"domain_correct/{dom}"] / max(v, 1.0),
+                        "reward/mean": w[f"domain_reward/{dom}"] / max(v, 1.0)}
+    return out
+
+
+def utilisation_metrics(elapsed: float, train_busy_s: float, gen_busy_s: list, busy_s: dict) -> dict[str, float]:
+    """Idle fractions since the start and cumulative busy seconds of every role."""
+    elapsed = max(elapsed, 1e-9)
+    busy = defaultdict(float, busy_s)
+    return {
+        "async/learner_idle_frac": 1.0 - train_busy_s / elapsed,
+        "async/generator_idle_frac": 1.0 - sum(gen_busy_s) / (elapsed * len(gen_busy_s)),
+        "async/grader_idle_frac": 1.0 - busy["grade"] / elapsed,
+        "time/generate_s": sum(gen_busy_s), "time/grade_s": busy["grade"],
+        "time/train_s": train_busy_s, "time/sync_s": busy["sync"], "time/eval_s": busy["eval"],
+    }
+
+
+def pass_at_k(samples: Iterable[tuple[str, str, float, bool]], k: int, prefix: str = "val") -> dict[str, float]:
+    """``{prefix}/pass@1`` and ``{prefix}/pass@{k}`` (omitted when ``k`` is None), overall and per
+    domain (``.../<domain>``), from ``(prompt_id, domain, reward, valid)`` of every sample."""
+    per_prompt: dict[str, list[float]] = defaultdict(list)
+    domain_of: dict[str, str] = {}
+    for pid, dom, reward, valid in samples:
+        per_prompt[pid].append(1.0 if valid and is_correct(reward) else 0.0)
+        domain_of[pid] = dom
+    groups = {"all": list(per_prompt)}
+    for pid, dom in domain_of.items():
+        groups.setdefault(dom, []).append(pid)
+    out = {}
+    for dom, pids in groups.items():
+        key = "" if dom == "all" else f"/{dom}"
+        out[f"{prefix}/pass@1{key}"] = sum(sum(per_prompt[p]) / len(per_prompt[p]) for p in pids) / len(pids)
+        if k is not None:
+            out[f"{prefix}/pass@{k}{key}"] = sum(max(per_prompt[p]) for p in pids) / len(pids)
+    return out

@@ -1,0 +1,62 @@
+"""What a run leaves in its run directory, written from one place.
+
+    config.yaml            the resolved config (written at the start, :func:`prorl_async.config.save_config`)
+    history.jsonl          one JSON object per learner step (metrics; ``val/*`` added at evaluations);
+                           rewritten atomically at every checkpoint and at the end, and the same
+                           file goes into each checkpoint
+    summary.json           steps, wall time, held-out metrics before/after, failure counters, last metrics
+    trained_groups.jsonl   per step, the ``request_id/prompt_id`` of every group the learner trained on
+    final/                 the trained policy as a HF folder (written by the learner)
+    checkpoints/           :mod:`prorl_async.checkpoint`
+
+Pure: no Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from prorl_async.checkpoint import atomic_write_text
+
+HISTORY = "history.jsonl"
+SUMMARY = "summary.json"
+TRAINED_GROUPS = "trained_groups.jsonl"
+
+
+def prepare_run_dir(cfg) -> Path:
+    """``cfg.run_dir``, or ``runs/<run_name>-<time>``; created if missing."""
+    run_dir = Path(cfg.run_dir or Path("runs") / f"{cfg.tracking.run_name or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def _jsonl(rows: list) -> str:
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def write_history(path: Path, history: list[dict]) -> None:
+    """``history`` (one dict per step) as JSON lines at ``path``, atomically."""
+    atomic_write_text(Path(path), _jsonl(history))
+
+
+def read_history(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line]
+
+
+def write_final(run_dir: Path, summary: dict, history: list[dict], trained_groups: list[list[str]]) -> None:
+    """The outputs of a finished run: summary, history and the groups trained on."""
+    run_dir = Path(run_dir)
+    (run_dir / SUMMARY).write_text(json.dumps(summary, indent=2))
+    write_history(run_dir / HISTORY, history)
+    (run_dir / TRAINED_GROUPS).write_text(_jsonl(trained_groups))
+
+
+def format_table(before: dict, after: dict) -> str:
+    """The held-out metrics before and after training, side by side."""
+    keys = [k for k in before if k in after]
+    lines = [f"{'held-out metric':<28}{'before':>10}{'after':>10}{'change':>10}"]
+    for k in keys:
+        lines.append(f"{k:<28}{before[k]:>10.3f}{after[k]:>10.3f}{after[k] - before[k]:>+10.3f}")
+    return "\n".join(lines)
