@@ -35,7 +35,7 @@ class GraderActor:
         grades = self.pool.grade_many([by_id[i] for i in ids], texts)
         dt = (time.perf_counter() - t0) / max(1, len(grades))
         raw = [g.reward if g.valid and math.isfinite(g.reward) else 0.0 for g in grades]
-        return with_columns(batch, raw_reward=raw, reward=raw, reward_valid=[g.valid for g in grades],
+        return with_columns(batch, raw_reward=raw, reward_valid=[g.valid for g in grades],
                             grade_time_s=[dt] * len(grades), grade_reason=[g.reason for g in grades])
 
     def metrics(self) -> dict:

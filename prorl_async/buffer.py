@@ -3,7 +3,10 @@
 Graded rollout batches arrive as Arrow RecordBatches. The buffer splits them into groups
 (the n samples of one prompt in one request), drops invalid samples (grader failures are
 masked, never scored 0), drops groups left with fewer than two valid samples, and with
-dynamic sampling (DAPO) drops groups whose valid rewards are all equal. Kept groups wait in
+dynamic sampling (DAPO) drops groups whose valid rewards are all equal -- both judged by
+:func:`prorl_async.algo.sampling.uninformative_reason` on the verifier reward (``raw_reward``),
+i.e. DAPO's all-correct / all-wrong test; length shaping, which the learner applies later,
+does not make an all-correct group informative. Kept groups wait in
 FIFO order of policy version. ``take(learner_version, k)`` hands out the ``k`` oldest groups
 whose version satisfies ``learner_version - policy_version <= max_staleness`` — the hard
 guarantee behind the driver's admission control; a group that is already too old is dropped
@@ -21,7 +24,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from prorl_async.algo.sampling import DEFAULT_TOL, uninformative_reason
 from prorl_async.data.schema import ROLLOUT_SCHEMA
+from prorl_async.metrics import is_correct
 
 
 def rollout_stats(batch: pa.RecordBatch) -> dict[str, float]:
@@ -34,7 +39,7 @@ def rollout_stats(batch: pa.RecordBatch) -> dict[str, float]:
     for dom, r, ok in zip(d["domain"], d["raw_reward"], d["reward_valid"]):
         out["samples"] += 1
         if ok:
-            correct = float(r >= 1.0 - 1e-6)
+            correct = float(is_correct(r))
             out["valid"] += 1
             out["reward_sum"] += r
             out["correct"] += correct
@@ -75,13 +80,13 @@ class ReplayBuffer:
             idx = members[g]
             good = idx[valid[idx]]
             self.counters["groups_in"] += 1
-            if len(good) < 2:
+            reason = uninformative_reason(raw[idx], valid[idx], DEFAULT_TOL)
+            if reason == "too_few_valid":
                 self.counters["groups_dropped_invalid"] += 1
                 dropped += 1
                 continue
-            r = raw[good]
-            if self.dynamic_sampling and float(r.max() - r.min()) <= 1e-6:
-                self.counters["groups_dropped_all_correct" if r.max() > 0 else "groups_dropped_all_wrong"] += 1
+            if self.dynamic_sampling and reason == "all_equal":
+                self.counters["groups_dropped_all_correct" if raw[good].max() > 0 else "groups_dropped_all_wrong"] += 1
                 dropped += 1
                 continue
             contiguous = good[-1] - good[0] + 1 == len(good)  # the usual case: a zero-copy slice

@@ -26,7 +26,7 @@ import torch
 
 from ._checks import check_finite, check_ndim, check_shape, sample_mask
 
-__all__ = ["DynamicSamplingCollector", "informative_groups"]
+__all__ = ["DynamicSamplingCollector", "informative_groups", "uninformative_reason"]
 
 DEFAULT_TOL = 1e-6
 
@@ -67,7 +67,7 @@ def informative_groups(
     return informative[inverse]
 
 
-def _informative(rewards: Sequence[float], valid: Sequence[bool], tol: float) -> Optional[str]:
+def uninformative_reason(rewards: Sequence[float], valid: Sequence[bool], tol: float) -> Optional[str]:
     """None if informative, else the reason: ``"all_equal"`` or ``"too_few_valid"``."""
     vals = [float(r) for r, v in zip(rewards, valid) if v]
     if len(vals) < 2:
@@ -136,7 +136,7 @@ class DynamicSamplingCollector:
         self.groups_seen += 1
         self.samples_seen += len(rewards)
         self.samples_invalid += flags.count(False)
-        reason = _informative(rewards, flags, self.tol)
+        reason = uninformative_reason(rewards, flags, self.tol)
         if reason == "all_equal":
             self.groups_dropped += 1
             return False

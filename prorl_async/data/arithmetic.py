@@ -1,23 +1,19 @@
 """The built-in default task: multi-digit addition and subtraction with an exact checker.
 
 Prompts look like ``"47+85="`` and the gold answer is the integer string (``"132"``). Every
-problem is assigned to the train or eval split by a stable hash of its text, so the two splits
-never share a problem whatever the seeds. Graded by the ``arithmetic`` verifier in
+problem is assigned to the train or eval split by the built-in tasks' stable hash of its text
+(:func:`prorl_async.data.builtin.split_of`), so the two splits never share a problem whatever
+the seeds. Graded by the ``arithmetic`` verifier in
 :mod:`prorl_async.rewards` (reward 1 iff the response starts with the right integer).
 """
 
 from __future__ import annotations
 
-import hashlib
 import random
 
+from prorl_async.data.builtin import split_of
+
 MAX_OPERAND = 99
-EVAL_FRACTION = 0.2
-
-
-def split_of(prompt: str) -> str:
-    h = int(hashlib.sha1(prompt.encode()).hexdigest()[:8], 16)
-    return "eval" if (h % 1000) < EVAL_FRACTION * 1000 else "train"
 
 
 def make_problem(rng: random.Random) -> tuple[str, str]:

@@ -36,6 +36,7 @@ BOX = "Put the final answer in \\boxed{}."
 
 
 def split_of(prompt: str) -> str:
+    """``"eval"`` for EVAL_FRACTION of all prompts, by a stable hash of the text; else ``"train"``."""
     h = int(hashlib.sha1(prompt.encode()).hexdigest()[:8], 16)
     return "eval" if (h % 1000) < EVAL_FRACTION * 1000 else "train"
 

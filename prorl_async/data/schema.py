@@ -18,7 +18,6 @@ ROLLOUT_SCHEMA = pa.schema([
     pa.field("behavior_logprobs", pa.list_(pa.float32())),
     pa.field("policy_version", pa.int64()),
     pa.field("finish_reason", pa.string()),
-    pa.field("reward", pa.float32()),
     pa.field("raw_reward", pa.float32()),
     pa.field("reward_valid", pa.bool_()),
     pa.field("gen_time_s", pa.float32()),
@@ -33,7 +32,7 @@ ROLLOUT_SCHEMA = pa.schema([
 def rollout_batch(columns: dict) -> pa.RecordBatch:
     """Build a RecordBatch in schema order; missing reward columns get their 'ungraded' values."""
     n = len(columns["sample_id"])
-    defaults = {"reward": [0.0] * n, "raw_reward": [0.0] * n, "reward_valid": [False] * n,
+    defaults = {"raw_reward": [0.0] * n, "reward_valid": [False] * n,
                 "grade_time_s": [0.0] * n, "gen_time_s": [0.0] * n, "grade_reason": ["ungraded"] * n}
     arrays = [pa.array(columns.get(f.name, defaults.get(f.name)), type=f.type) for f in ROLLOUT_SCHEMA]
     return pa.RecordBatch.from_arrays(arrays, schema=ROLLOUT_SCHEMA)

@@ -45,6 +45,7 @@ from prorl_async.algo.reference import ReferenceResetPolicy
 from prorl_async.algo.shaping import LengthPenaltySchedule, shape_rewards
 from prorl_async.learners.torch_learner import _acc, _cpu_has_bf16, batch_metrics, batch_to_tensors, micro_batch_loss
 from prorl_async.weight_sync import free_port
+from prorl_async.metrics import is_correct
 from prorl_async.models import load_model
 
 
@@ -53,7 +54,7 @@ def prepare_batch(table: pa.Table, pad_id: int, cfg, step: int, schedule: Length
     """Rollout rows -> tensors with shaped rewards, loss mask and advantages (one rank's share)."""
     a = cfg.algo
     b = batch_to_tensors(table, pad_id)
-    correct = b["raw_reward"] >= 1.0 - 1e-6
+    correct = is_correct(b["raw_reward"])
     rewards, keep, shape_metrics = shape_rewards(
         b["raw_reward"], correct, b["lengths"], b["truncated"],
         max_length=cfg.rollout.max_new_tokens, step=step, schedule=schedule, cosine=a.length_penalty,

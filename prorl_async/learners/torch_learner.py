@@ -32,6 +32,7 @@ from prorl_async.algo.advantages import compute_advantages
 from prorl_async.algo.losses import kl_penalty, logprobs_from_logits, entropy_from_logits, policy_loss
 from prorl_async.algo.reference import ReferenceResetPolicy
 from prorl_async.algo.shaping import LengthPenaltySchedule, shape_rewards
+from prorl_async.metrics import is_correct
 from prorl_async.models import load_model
 
 
@@ -132,7 +133,7 @@ class TorchLearner:
         t0 = time.perf_counter()
         b = batch_to_tensors(table, self.pad_id)
         n = b["mask"].shape[0]
-        correct = b["raw_reward"] >= 1.0 - 1e-6
+        correct = is_correct(b["raw_reward"])
         rewards, keep, shape_metrics = shape_rewards(
             b["raw_reward"], correct, b["lengths"], b["truncated"],
             max_length=cfg.rollout.max_new_tokens, step=step,

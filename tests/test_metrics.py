@@ -1,0 +1,50 @@
+"""prorl_async/metrics.py: the correctness rule, per-step rollout metrics, pass@1 / pass@k -- worked by hand."""
+
+import numpy as np
+import pytest
+import torch
+
+from prorl_async.metrics import domain_metrics, is_correct, pass_at_k, rollout_metrics, utilisation_metrics
+
+
+def test_is_correct_is_one_rule_for_floats_arrays_and_tensors():
+    assert is_correct(1.0) and is_correct(1.0 - 1e-7)
+    assert not is_correct(0.999) and not is_correct(0.5)  # partial credit is not correct
+    assert is_correct(np.array([1.0, 0.5, 0.0])).tolist() == [True, False, False]
+    assert is_correct(torch.tensor([0.0, 1.0])).tolist() == [False, True]
+
+
+def test_rollout_metrics_from_window_sums():
+    w = {"samples": 8.0, "valid": 6.0, "correct": 3.0, "reward_sum": 4.5, "response_tokens": 80.0}
+    m = rollout_metrics(w, dt=2.0)
+    assert m["reward/mean"] == 0.75 and m["reward/accuracy"] == 0.5 and m["reward/invalid"] == 2.0
+    assert m["len/generated_mean"] == 10.0 and m["perf/gen_tok_s"] == 40.0 and m["perf/samples_s"] == 4.0
+    assert m["perf/step_s"] == 2.0
+    empty = rollout_metrics({}, dt=0.0)  # no samples yet: zeros, not a division by zero
+    assert empty["reward/mean"] == 0.0 and empty["perf/step_s"] == 1e-9
+
+
+def test_domain_metrics():
+    w = {"domain_valid/math": 4.0, "domain_correct/math": 1.0, "domain_reward/math": 2.0, "valid": 4.0}
+    assert domain_metrics(w) == {"math": {"reward/accuracy": 0.25, "reward/mean": 0.5}}
+
+
+def test_utilisation_metrics():
+    m = utilisation_metrics(10.0, 4.0, [5.0, 10.0], {"grade": 1.0, "sync": 0.5})
+    assert m["async/learner_idle_frac"] == pytest.approx(0.6)
+    assert m["async/generator_idle_frac"] == pytest.approx(0.25)
+    assert m["async/grader_idle_frac"] == pytest.approx(0.9)
+    assert m["time/generate_s"] == 15.0 and m["time/sync_s"] == 0.5 and m["time/eval_s"] == 0.0
+
+
+def test_pass_at_k_overall_and_per_domain():
+    samples = [("p1", "math", 1.0, True), ("p1", "math", 0.0, True),   # 1 of 2 right
+               ("p2", "math", 1.0, False), ("p2", "math", 0.0, True),  # an invalid sample never counts
+               ("p3", "code", 1.0, True), ("p3", "code", 1.0, True)]   # both right
+    out = pass_at_k(samples, k=2)
+    assert out["val/pass@1"] == pytest.approx((0.5 + 0.0 + 1.0) / 3)
+    assert out["val/pass@2"] == pytest.approx(2 / 3)
+    assert out["val/pass@1/math"] == 0.25 and out["val/pass@2/math"] == 0.5
+    assert out["val/pass@1/code"] == 1.0 and out["val/pass@2/code"] == 1.0
+    greedy = pass_at_k([("p1", "math", 1.0, True)], k=None, prefix="val/greedy")
+    assert greedy == {"val/greedy/pass@1": 1.0, "val/greedy/pass@1/math": 1.0}
