@@ -10,7 +10,15 @@ import torch
 
 from prorl_async.learners.files import load_learner, write_learner
 from prorl_async.learners.torch_learner import TorchLearner
-from prorl_async.weight_sync import WeightSyncGroup, free_port, local_ip, tensor_checksum
+from prorl_async.weight_sync import WeightSyncGroup, free_port, tensor_checksum
+
+
+def local_ip() -> str:
+    """This node's address as Ray knows it (127.0.0.1 outside Ray)."""
+    try:
+        return ray.util.get_node_ip_address()
+    except Exception:  # not inside Ray
+        return "127.0.0.1"
 
 
 @ray.remote

@@ -41,14 +41,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def local_ip() -> str:
-    try:
-        import ray
-        return ray.util.get_node_ip_address()
-    except Exception:  # not inside Ray
-        return "127.0.0.1"
-
-
 def plan_buckets(shapes: Sequence[tuple[str, tuple, torch.dtype]], bucket_bytes: int = DEFAULT_BUCKET_BYTES):
     """Group parameters (in order) into buckets of one dtype and at most ``bucket_bytes``."""
     buckets: list[list[int]] = []
