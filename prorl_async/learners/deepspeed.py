@@ -41,9 +41,8 @@ import torch.distributed as dist
 
 from prorl_async.algo.advantages import compute_advantages
 from prorl_async.algo.losses import entropy_from_logits, logprobs_from_logits
-from prorl_async.algo.reference import ReferenceResetPolicy
 from prorl_async.algo.shaping import LengthPenaltySchedule, shape_rewards
-from prorl_async.learners.torch_learner import _acc, _cpu_has_bf16, batch_metrics, batch_to_tensors, micro_batch_loss
+from prorl_async.learners.torch_learner import _acc, _cpu_has_bf16, algo_state, batch_metrics, batch_to_tensors, micro_batch_loss
 from prorl_async.weight_sync import free_port
 from prorl_async.metrics import is_correct
 from prorl_async.models import load_model
@@ -152,10 +151,7 @@ class DeepSpeedLearner:
             dist_init_required=False)
         self.model = self.engine.module
         self.autocast = (not bf16) and cfg.model.autocast_bf16 and (self.device.type == "cuda" or _cpu_has_bf16())
-        self.length_schedule = LengthPenaltySchedule(a.length_on_steps, a.length_off_steps, a.length_start_step)
-        self.ref_policy = ReferenceResetPolicy(
-            interval=a.ref_reset_interval, kl_spike_factor=a.ref_kl_spike_factor, kl_window=a.ref_kl_window,
-            val_patience=a.ref_val_patience, reset_optimizer=a.ref_reset_optimizer)
+        self.length_schedule, self.ref_policy = algo_state(a)
         self.version = 0
         self.skipped_total = 0
 

@@ -93,10 +93,7 @@ class TorchLearner:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
         warm = max(1, t.warmup_lr_steps)
         self.lr_sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / warm))
-        self.length_schedule = LengthPenaltySchedule(a.length_on_steps, a.length_off_steps, a.length_start_step)
-        self.ref_policy = ReferenceResetPolicy(
-            interval=a.ref_reset_interval, kl_spike_factor=a.ref_kl_spike_factor, kl_window=a.ref_kl_window,
-            val_patience=a.ref_val_patience, reset_optimizer=a.ref_reset_optimizer)
+        self.length_schedule, self.ref_policy = algo_state(a)
         self.version = 0
         self.skipped_in_row = 0
         self.skipped_total = 0
@@ -280,6 +277,14 @@ def _load_weights(model, tensors: dict, what: str) -> None:
         if n in tensors:
             t.copy_(tensors[n].to(t.dtype))
 
+
+
+def algo_state(a) -> tuple[LengthPenaltySchedule, ReferenceResetPolicy]:
+    """A learner's algo state objects from ``cfg.algo``: length-penalty schedule, reference-reset policy."""
+    return (LengthPenaltySchedule(a.length_on_steps, a.length_off_steps, a.length_start_step),
+            ReferenceResetPolicy(interval=a.ref_reset_interval, kl_spike_factor=a.ref_kl_spike_factor,
+                                 kl_window=a.ref_kl_window, val_patience=a.ref_val_patience,
+                                 reset_optimizer=a.ref_reset_optimizer))
 
 def batch_metrics(b: dict, version: int, dt: float, ppo_epochs: int, cause: Optional[str]) -> dict[str, float]:
     """What one learner step reports about its batch, timing, staleness and reference reset.
