@@ -24,7 +24,7 @@ import ray
 from prorl_async.config import Config, config_to_dict, save_config
 from prorl_async.data.datasets import load_rows, load_train_rows
 from prorl_async.data.source import PromptSource
-from prorl_async.metrics import domain_metrics, pass_at_k, rollout_metrics, utilisation_metrics
+from prorl_async.metrics import domain_metrics, rollout_metrics, utilisation_metrics
 from prorl_async.models import resolve_model_path
 from prorl_async.outputs import format_table, prepare_run_dir, write_final
 from prorl_async.staleness import plan_requests
@@ -32,11 +32,9 @@ from prorl_async.tracking import Tracker, progress_line
 
 from actors import checkpointing
 from actors.cluster import Actors, RunError, actor_died, cause, init_ray
+from actors.evaluation import evaluate, held_out
 
 log = logging.getLogger("prorl_async")
-
-__all__ = ["LoopState", "RunError", "TrainingLoop", "evaluate", "run"]
-
 
 def _sums() -> defaultdict:
     return defaultdict(float)
@@ -84,29 +82,6 @@ class LoopState:
     SAVED: ClassVar[tuple] = ("version", "consumed", "live", "buffered", "requests", "window", "busy_s", "train_busy_s",
                               "gen_busy_s", "resyncs", "gen_failures", "invalid_by_reason", "retry", "trained_groups",
                               "before", "last_eval")
-
-
-def evaluate(cfg: Config, actors: Actors, rows: list[dict], step: int, tracker: Tracker, greedy: bool = False) -> dict:
-    """Held-out pass@1 (mean over samples) and pass@k, overall and per domain."""
-    n, chunk = (1 if greedy else cfg.train.eval_samples), cfg.rollout.prompts_per_request
-    refs = []
-    for i in range(0, len(rows), chunk):
-        part, gen = rows[i:i + chunk], actors.generators[(i // chunk) % len(actors.generators)]
-        seed = cfg.train.seed * 1_000_003 + 7919 * i + 17  # same seeds at every evaluation
-        refs.append(actors.grader.grade.remote(part, gen.generate.remote(part, n, seed, greedy)))
-    samples, texts = [], []
-    for b in ray.get(refs):
-        d = b.to_pydict()
-        for pid, dom, rew, valid, text in zip(d["prompt_id"], d["domain"], d["raw_reward"], d["reward_valid"],
-                                              d["response_text"]):
-            samples.append((pid, dom, rew, valid))
-            if len(texts) < cfg.tracking.log_samples:
-                texts.append(f"[{dom}] reward={rew:.2f} :: {text}")
-    out = pass_at_k(samples, None if greedy else n, "val/greedy" if greedy else "val")
-    tracker.track(out, step, {"split": "eval"})
-    if texts and not greedy:
-        tracker.text("val/samples", texts, step, {"split": "eval"})
-    return out
 
 
 class TrainingLoop:
@@ -327,8 +302,7 @@ def run(cfg: Config, resume=None) -> dict:
         tracker = Tracker(cfg.tracking.aim_repo, cfg.tracking.experiment, cfg.tracking.run_name or run_dir.name,
                           config_to_dict(cfg), enabled=cfg.tracking.enabled, run_hash=checkpointing.aim_hash(resume))
         actors = Actors.start(cfg, model_path, name=f"prorl-{run_dir.name}")
-        before = {} if resume is not None else {**evaluate(cfg, actors, eval_rows, 0, tracker),
-                                                 **evaluate(cfg, actors, eval_rows, 0, tracker, greedy=True)}
+        before = {} if resume is not None else held_out(cfg, actors, eval_rows, 0, tracker)
         loop = TrainingLoop(cfg, actors, source, tracker, eval_rows, run_dir, model_path, before)
         if resume is not None:
             checkpointing.restore(loop, resume)
@@ -345,8 +319,7 @@ def run(cfg: Config, resume=None) -> dict:
             raise
         checkpointing.save(loop, "end")
         steps = loop.s.version
-        after = {**evaluate(cfg, actors, eval_rows, steps, tracker),
-                 **evaluate(cfg, actors, eval_rows, steps, tracker, greedy=True)}
+        after = held_out(cfg, actors, eval_rows, steps, tracker)
         ray.get(actors.learner.save_model.remote(str((run_dir / "final").resolve())))
         summary = {"run_dir": str(run_dir), "aim_run_hash": tracker.hash, "steps": steps,
                    "wall_time_s": time.time() - t0, "before": loop.s.before, "after": after,

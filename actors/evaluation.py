@@ -1,0 +1,45 @@
+"""Held-out evaluation through the same generators and grader as the rollouts.
+
+``val/pass@1`` is the mean correctness over ``train.eval_samples`` samples per prompt and
+``val/pass@k`` whether any of them is correct (:func:`prorl_async.metrics.pass_at_k`);
+``val/greedy/pass@1`` one greedy sample per prompt. The seeds are the same at every
+evaluation, so before/after differences come from the weights, not the draws.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from prorl_async.config import Config
+from prorl_async.metrics import pass_at_k
+from prorl_async.tracking import Tracker
+
+from actors.cluster import Actors
+
+
+def evaluate(cfg: Config, actors: Actors, rows: list[dict], step: int, tracker: Tracker, greedy: bool = False) -> dict:
+    """Held-out pass@1 (mean over samples) and pass@k, overall and per domain."""
+    n, chunk = (1 if greedy else cfg.train.eval_samples), cfg.rollout.prompts_per_request
+    refs = []
+    for i in range(0, len(rows), chunk):
+        part, gen = rows[i:i + chunk], actors.generators[(i // chunk) % len(actors.generators)]
+        seed = cfg.train.seed * 1_000_003 + 7919 * i + 17  # same seeds at every evaluation
+        refs.append(actors.grader.grade.remote(part, gen.generate.remote(part, n, seed, greedy)))
+    samples, texts = [], []
+    for b in ray.get(refs):
+        d = b.to_pydict()
+        for pid, dom, rew, valid, text in zip(d["prompt_id"], d["domain"], d["raw_reward"], d["reward_valid"],
+                                              d["response_text"]):
+            samples.append((pid, dom, rew, valid))
+            if len(texts) < cfg.tracking.log_samples:
+                texts.append(f"[{dom}] reward={rew:.2f} :: {text}")
+    out = pass_at_k(samples, None if greedy else n, "val/greedy" if greedy else "val")
+    tracker.track(out, step, {"split": "eval"})
+    if texts and not greedy:
+        tracker.text("val/samples", texts, step, {"split": "eval"})
+    return out
+
+
+def held_out(cfg: Config, actors: Actors, rows: list[dict], step: int, tracker: Tracker) -> dict:
+    """The before/after table's metrics: sampled pass@1 and pass@k, and greedy pass@1."""
+    return {**evaluate(cfg, actors, rows, step, tracker), **evaluate(cfg, actors, rows, step, tracker, greedy=True)}
