@@ -100,7 +100,7 @@ def synthetic_batch(rows: int, n: int, plen: int, rlen: int, vocab: int, seed: i
 
     rng = random.Random(seed)
     cols = {k: [] for k in ("sample_id", "prompt_id", "domain", "prompt_ids", "response_ids", "behavior_logprobs",
-                            "policy_version", "finish_reason", "raw_reward", "reward", "reward_valid",
+                            "policy_version", "finish_reason", "raw_reward", "reward_valid",
                             "gen_time_s", "grade_time_s", "response_text", "grade_reason", "request_id")}
     for i in range(rows):
         g = i // n
@@ -114,7 +114,6 @@ def synthetic_batch(rows: int, n: int, plen: int, rlen: int, vocab: int, seed: i
         cols["policy_version"].append(0)
         cols["finish_reason"].append("stop")
         cols["raw_reward"].append(r)
-        cols["reward"].append(r)
         cols["reward_valid"].append(True)
         cols["gen_time_s"].append(0.0)
         cols["grade_time_s"].append(0.0)

@@ -153,7 +153,7 @@ def simulate(num_gen: int, max_staleness: int, a, rng_seed: int) -> Result:
             "domain": ["math"] * rows, "prompt_ids": [[]] * rows, "response_ids": [[]] * rows,
             "behavior_logprobs": [[]] * rows, "policy_version": [policy] * rows,
             "finish_reason": ["length" if ln >= a.max_len else "stop" for ln in L],
-            "raw_reward": correct.tolist(), "reward": correct.tolist(), "reward_valid": [True] * rows,
+            "raw_reward": correct.tolist(), "reward_valid": [True] * rows,
             "gen_time_s": [0.0] * rows, "response_text": [""] * rows, "request_id": [f"req{requests}"] * rows})
         duration = a.prefill_s + int(L.max()) * a.tpot_ms / 1000.0
         return batch, duration

@@ -10,13 +10,13 @@ from prorl_async.data.schema import rollout_batch
 def request(req: str, version: int, groups: dict, tokens: int = 3) -> pa.RecordBatch:
     """groups: prompt_id -> list of (reward, valid)."""
     cols = {k: [] for k in ("sample_id", "prompt_id", "domain", "prompt_ids", "response_ids", "behavior_logprobs",
-                            "policy_version", "finish_reason", "raw_reward", "reward", "reward_valid",
+                            "policy_version", "finish_reason", "raw_reward", "reward_valid",
                             "response_text", "request_id", "grade_reason", "gen_time_s", "grade_time_s")}
     for pid, samples in groups.items():
         for j, (r, ok) in enumerate(samples):
             for k, v in dict(sample_id=f"{req}-{pid}-{j}", prompt_id=pid, domain="arithmetic", prompt_ids=[1, 2],
                              response_ids=[5] * tokens, behavior_logprobs=[-0.1] * tokens, policy_version=version,
-                             finish_reason="stop", raw_reward=r, reward=r, reward_valid=ok, response_text="x",
+                             finish_reason="stop", raw_reward=r, reward_valid=ok, response_text="x",
                              request_id=req, grade_reason="ok" if ok else "timeout", gen_time_s=0.5,
                              grade_time_s=0.25).items():
                 cols[k].append(v)

@@ -13,7 +13,7 @@ def graded_table(groups: int = 4, n: int = 4, seed: int = 0, vocab: int = 20, pr
                  max_resp: int = 6) -> pa.Table:
     rng = random.Random(seed)
     cols = {k: [] for k in ("sample_id", "prompt_id", "domain", "prompt_ids", "response_ids", "behavior_logprobs",
-                            "policy_version", "finish_reason", "gen_time_s", "raw_reward", "reward",
+                            "policy_version", "finish_reason", "gen_time_s", "raw_reward",
                             "reward_valid", "grade_time_s", "response_text", "grade_reason", "request_id")}
     for g in range(groups):
         prompt = [1] + [rng.randrange(4, vocab) for _ in range(prompt_len - 1)]
@@ -31,7 +31,6 @@ def graded_table(groups: int = 4, n: int = 4, seed: int = 0, vocab: int = 20, pr
             cols["finish_reason"].append("stop")
             cols["gen_time_s"].append(0.0)
             cols["raw_reward"].append(r)
-            cols["reward"].append(r)
             cols["reward_valid"].append(True)
             cols["grade_time_s"].append(0.0)
             cols["response_text"].append("")
