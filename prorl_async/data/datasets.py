@@ -16,6 +16,13 @@ row (Parquet) number, 1-based, and the reason: skipped with one warning that lis
 their count, or, with ``strict=True``, a ValueError naming the file, the line and the reason.
 Built-in sources are always validated strictly (a bad generated row is a bug).
 
+Files in the layouts of other frameworks load the same way (:mod:`prorl_async.data.layouts`):
+verl parquet rows (``data_source``, chat ``prompt``, ``ability``, ``reward_model:
+{style, ground_truth}``, ``extra_info``) are detected and converted; ``input_key`` /
+``label_key`` (``data.input_key`` / ``data.label_key``) map OpenRLHF-style columns; ``domain``
+(``data.domain``) sets the domain of every row of a file. :func:`load_source` passes a run's
+``DataConfig`` settings.
+
 ``mix(sources, weights, n, seed)`` draws a deterministic weighted mixture of domains.
 """
 
@@ -28,6 +35,8 @@ import random
 import warnings
 from urllib.parse import parse_qs, urlsplit
 
+from prorl_async.data import layouts
+
 logger = logging.getLogger(__name__)
 
 NEEDS = {"math": "answer", "logic": "answer", "stem": "answer", "arithmetic": "answer",
@@ -36,8 +45,18 @@ _JSON_COLUMNS = ("tests", "constraints", "meta", "choices")
 _MAX_LISTED = 20
 
 
-def load_rows(source: str, strict: bool = False) -> list[dict]:
-    """Rows of ``source`` (a file path or a ``builtin:`` source), validated; see the module doc."""
+def load_source(source: str, data) -> list[dict]:
+    """Rows of ``source`` with a run's data settings (a :class:`~prorl_async.config.DataConfig`)."""
+    return load_rows(source, strict=data.strict, input_key=data.input_key, label_key=data.label_key,
+                     domain=data.domain)
+
+
+def load_rows(source: str, strict: bool = False, *, input_key: str = "", label_key: str = "",
+              domain: str = "") -> list[dict]:
+    """Rows of ``source`` (a file path or a ``builtin:`` source), validated; see the module doc.
+
+    ``input_key``, ``label_key`` and ``domain`` apply to files only (:mod:`.layouts`).
+    """
     if source.startswith("builtin:"):
         rows = _builtin(source)
         good, bad = validate_rows(rows, unit="row")
@@ -54,6 +73,7 @@ def load_rows(source: str, strict: bool = False) -> list[dict]:
         numbered, unit = _read_jsonl(source), "line"
     else:
         raise ValueError(f"{source}: unknown dataset format; use .jsonl, .parquet or builtin:<name>")
+    numbered = layouts.normalize(numbered, source, input_key=input_key, label_key=label_key, domain=domain)
     good, bad = validate_rows(numbered, unit=unit)
     if bad:
         if strict:
@@ -145,7 +165,9 @@ def _row_problem(row, verifiers) -> str | None:
 
 
 def _drop_absent_test_keys(tests):
-    """Parquet stores a list of structs with every field; drop the other case form's nulls."""
+    """Parquet stores structs with every field; drop the other case form's nulls."""
+    if isinstance(tests, dict):  # the HumanEval / MBPP forms
+        return {k: v for k, v in tests.items() if v is not None}
     if not isinstance(tests, list):
         return tests
     out = []
