@@ -11,7 +11,8 @@ JSON strings (convenient in Parquet), which are decoded.
 or a built-in source ``builtin:<name>?n=<int>&seed=<int>&split=<train|eval>`` (``name`` is
 ``arithmetic`` — :mod:`prorl_async.data.arithmetic` — or one of
 :mod:`prorl_async.data.builtin`'s: ``multidomain``, ``math``, ``code``, ``stem``, ``logic``,
-``instruction``). A row that does not match the schema is reported with its line (JSONL) or
+``instruction``; or ``humaneval``, the 164 HumanEval problems of
+:mod:`prorl_async.data.humaneval`). A row that does not match the schema is reported with its line (JSONL) or
 row (Parquet) number, 1-based, and the reason: skipped with one warning that lists them and
 their count, or, with ``strict=True``, a ValueError naming the file, the line and the reason.
 Built-in sources are always validated strictly (a bad generated row is a bug).
@@ -231,6 +232,10 @@ def parse_builtin(source: str) -> tuple[str, int, int, str]:
 
 def _builtin(source: str) -> list[dict]:
     name, n, seed, split = parse_builtin(source)
+    if name == "humaneval":
+        from prorl_async.data import humaneval
+
+        return humaneval.generate(n)
     if name == "arithmetic":
         from prorl_async.data import arithmetic  # owned by the core task; imported lazily
 
