@@ -89,7 +89,7 @@ class AlgoConfig:
     length_on_steps: int = _f(50, "steps the length penalty stays on per cycle")
     length_off_steps: int = _f(50, "steps the length penalty stays off per cycle")
     length_start_step: int = _f(0, "step at which the length schedule starts")
-    overlong: str = _f("none", "truncated responses: none, filter (loss-masked) or soft (DAPO punishment)")
+    overlong: str = _f("none", "truncated responses: none, filter (loss-masked), soft (DAPO punishment) or zero (reward 0, ProRL v2's stop-properly penalty)")
     overlong_buffer: int = _f(4, "soft overlong buffer zone in tokens before Lmax")
     overlong_factor: float = _f(1.0, "soft overlong maximum punishment")
     ref_reset_interval: int = _f(0, "reset the reference policy every N steps (0 = never)")
@@ -308,7 +308,7 @@ def validate(cfg: Config) -> None:
     _require(a.clip_eps_low >= 0 and a.clip_eps_high >= 0, "algo.clip_eps_low",
              "clip ranges must be >= 0")
     _require(a.is_low <= a.is_high, "algo.is_low", f"must be <= algo.is_high ({a.is_low} > {a.is_high})")
-    _require(a.overlong in ("none", "filter", "soft"), "algo.overlong", f"must be none, filter or soft, got {a.overlong!r}")
+    _require(a.overlong in ("none", "filter", "soft", "zero"), "algo.overlong", f"must be none, filter, soft or zero, got {a.overlong!r}")
     _require(a.kl_coef >= 0, "algo.kl_coef", f"must be >= 0, got {a.kl_coef}")
     _require(cfg.model.dtype in ("float32", "bfloat16"), "model.dtype", f"must be float32 or bfloat16, got {cfg.model.dtype!r}")
     _require(cfg.reward.num_workers >= 1, "reward.num_workers", f"must be >= 1, got {cfg.reward.num_workers}")
