@@ -181,7 +181,7 @@ def normalize(records: list, source: str, input_key: str = "", label_key: str = 
     out = []
     for position, record in records:
         try:
-            if isinstance(record, Exception) or not isinstance(record, dict):
+            if not isinstance(record, dict):  # a reader error, or not an object: reported by validation
                 pass
             elif input_key:
                 record = from_keys(record, position, input_key, label_key, domain, stem)

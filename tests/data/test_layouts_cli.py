@@ -4,6 +4,7 @@ import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from prorl_async.data.arithmetic import generate
 from tests.conftest import cli
@@ -31,9 +32,6 @@ def test_train_on_a_verl_parquet_and_evaluate_on_humaneval(tmp_path, model_cache
     # every verl row reached the grader as a valid arithmetic row (none invalid, none skipped)
     assert [h["step"] for h in history] == [1, 2] and all(h["reward/invalid"] == 0.0 for h in history)
     assert "skipped" not in res.stderr
-
-
-import pytest  # noqa: E402
 
 
 @pytest.mark.xfail(strict=True, reason="pending integration: actors/driver.py must load data.train / data.eval / "

@@ -1,4 +1,6 @@
-"""Code verifier: program extraction, stdin/stdout and function-call tests, partial credit."""
+"""Code verifier: program extraction, stdin/stdout, function-call, HumanEval and MBPP tests, partial credit."""
+
+import os
 
 import pytest
 
@@ -203,7 +205,7 @@ def test_malformed_code_test_objects_are_invalid(tests, reason):
     assert not g.valid and g.reason.startswith("malformed_row") and reason in g.reason
 
 
-ROOT_ONLY = pytest.mark.skipif(__import__("os").geteuid() != 0, reason="root isolation needs root")
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="root isolation needs root")
 
 
 @ROOT_ONLY
@@ -218,8 +220,6 @@ ROOT_ONLY = pytest.mark.skipif(__import__("os").geteuid() != 0, reason="root iso
      "failed:error:PermissionError"),
 ])
 def test_hostile_code_in_the_humaneval_form_is_contained(monkeypatch, body, reason):
-    import os
-
     from prorl_async.rewards.sandbox import leftover_processes
 
     runs, real = [], code_mod.run_tests
