@@ -22,7 +22,7 @@ from typing import ClassVar, Optional
 import ray
 
 from prorl_async.config import Config, config_to_dict, save_config
-from prorl_async.data.datasets import load_rows, load_train_rows
+from prorl_async.data.datasets import load_source, load_train_rows
 from prorl_async.data.source import PromptSource
 from prorl_async.metrics import domain_metrics, rollout_metrics, utilisation_metrics
 from prorl_async.models import resolve_model_path
@@ -294,7 +294,7 @@ def run(cfg: Config, resume=None) -> dict:
     model_path = resolve_model_path(cfg.model, seed=cfg.train.seed)
     for module in cfg.reward.extra_modules:  # custom verifiers register their domains on import
         importlib.import_module(module)
-    eval_rows = load_rows(cfg.data.eval, strict=cfg.data.strict)
+    eval_rows = load_source(cfg.data.eval, cfg.data)
     source = PromptSource(load_train_rows(cfg.data), seed=cfg.data.shuffle_seed)
     started = init_ray(cfg)
     tracker = actors = None

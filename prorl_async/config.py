@@ -52,6 +52,9 @@ class DataConfig:
     mix_size: int = _f(4000, "rows drawn for the training mix (data.mix)")
     strict: bool = _f(False, "abort on the first malformed dataset row instead of skipping it")
     shuffle_seed: int = _f(0, "seed of the per-epoch prompt shuffle")
+    input_key: str = _f("", "OpenRLHF-style key mapping: the column holding the prompt (a dotted key reaches into objects); with data.label_key")
+    label_key: str = _f("", "the column holding the label (answer; tests for code; constraints for instruction); with data.input_key")
+    domain: str = _f("", "domain of every row of a dataset file (overrides a row's own or a verl row's guessed domain); empty = from the rows")
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,7 @@ class AlgoConfig:
     length_on_steps: int = _f(50, "steps the length penalty stays on per cycle")
     length_off_steps: int = _f(50, "steps the length penalty stays off per cycle")
     length_start_step: int = _f(0, "step at which the length schedule starts")
-    overlong: str = _f("none", "truncated responses: none, filter (loss-masked) or soft (DAPO punishment)")
+    overlong: str = _f("none", "truncated responses: none, filter (loss-masked), soft (DAPO punishment) or zero (reward 0, ProRL v2's stop-properly penalty)")
     overlong_buffer: int = _f(4, "soft overlong buffer zone in tokens before Lmax")
     overlong_factor: float = _f(1.0, "soft overlong maximum punishment")
     ref_reset_interval: int = _f(0, "reset the reference policy every N steps (0 = never)")
@@ -325,6 +328,10 @@ def validate(cfg: Config) -> None:
                  f"must be a mapping {{source: ..., weight: ...}}, got {entry!r}")
         _require(isinstance(entry["weight"], (int, float)) and entry["weight"] > 0, f"data.mix[{i}].weight",
                  f"must be a positive number, got {entry['weight']!r}")
+    _require(bool(cfg.data.input_key) == bool(cfg.data.label_key), "data.input_key",
+             f"data.input_key ({cfg.data.input_key!r}) and data.label_key ({cfg.data.label_key!r}) go together; set both or neither")
+    _require(cfg.data.domain == "" or cfg.data.domain.isidentifier(), "data.domain",
+             f"must be empty or a domain name such as math or code, got {cfg.data.domain!r}")
     _require(t.eval_samples >= 1, "train.eval_samples", f"must be >= 1, got {t.eval_samples}")
     _require(t.learner in ("torch", "deepspeed"), "train.learner", f"must be torch or deepspeed, got {t.learner!r}")
     _require(t.zero_stage in (0, 1, 2, 3), "train.zero_stage", f"must be 0, 1, 2 or 3, got {t.zero_stage}")

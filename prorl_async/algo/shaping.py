@@ -29,6 +29,10 @@ Sources, formula by formula
 
   times ``factor``. It is *added* to the verifier reward, as in DAPO.
 * ``filter_overlong`` -- DAPO overlong filtering (sec. 3.4): truncated samples are loss-masked.
+* overlong mode ``"zero"`` -- the ProRL v2 configs' "stop properly penalty" with coefficient 0
+  (NeMo-RL ``reward_shaping.stop_properly_penalty_coef: 0.0``, OpenRLHF
+  ``--stop_properly_penalty_coef 0.0``; DLER, arXiv 2510.15110): a truncated response's reward
+  is scaled by the coefficient, i.e. set to 0, after any length shaping.
 
 Deviations / choices
 --------------------
@@ -60,7 +64,7 @@ __all__ = [
     "soft_overlong_penalty",
 ]
 
-OVERLONG_MODES = ("none", "filter", "soft")
+OVERLONG_MODES = ("none", "filter", "soft", "zero")
 Pair = Tuple[float, float]
 
 
@@ -215,7 +219,7 @@ def shape_rewards(
     2. Overlong (``overlong_mode``): ``"filter"`` sets ``loss_keep`` False for truncated
        samples (apply with :func:`filter_overlong`); ``"soft"`` adds
        ``soft_overlong_penalty(lengths, max_length, overlong_buffer, overlong_factor)``;
-       ``"none"`` does nothing.
+       ``"zero"`` sets the reward of truncated samples to 0; ``"none"`` does nothing.
 
     ``valid`` (bool, default all True) marks samples whose grading succeeded; invalid ones
     keep their raw reward (possibly NaN), are not shaped, and get ``loss_keep`` False.
@@ -249,6 +253,8 @@ def shape_rewards(
     if overlong_mode == "soft":
         overlong = soft_overlong_penalty(lengths, max_length, overlong_buffer, overlong_factor)
         rewards = torch.where(ok, rewards + overlong, rewards)
+    elif overlong_mode == "zero":
+        rewards = torch.where(ok & is_truncated, torch.zeros_like(rewards), rewards)
 
     loss_keep = ok.clone()
     if overlong_mode == "filter":

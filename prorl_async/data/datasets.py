@@ -11,10 +11,18 @@ JSON strings (convenient in Parquet), which are decoded.
 or a built-in source ``builtin:<name>?n=<int>&seed=<int>&split=<train|eval>`` (``name`` is
 ``arithmetic`` — :mod:`prorl_async.data.arithmetic` — or one of
 :mod:`prorl_async.data.builtin`'s: ``multidomain``, ``math``, ``code``, ``stem``, ``logic``,
-``instruction``). A row that does not match the schema is reported with its line (JSONL) or
+``instruction``; or ``humaneval``, the 164 HumanEval problems of
+:mod:`prorl_async.data.humaneval`). A row that does not match the schema is reported with its line (JSONL) or
 row (Parquet) number, 1-based, and the reason: skipped with one warning that lists them and
 their count, or, with ``strict=True``, a ValueError naming the file, the line and the reason.
 Built-in sources are always validated strictly (a bad generated row is a bug).
+
+Files in the layouts of other frameworks load the same way (:mod:`prorl_async.data.layouts`):
+verl parquet rows (``data_source``, chat ``prompt``, ``ability``, ``reward_model:
+{style, ground_truth}``, ``extra_info``) are detected and converted; ``input_key`` /
+``label_key`` (``data.input_key`` / ``data.label_key``) map OpenRLHF-style columns; ``domain``
+(``data.domain``) sets the domain of every row of a file. :func:`load_source` passes a run's
+``DataConfig`` settings.
 
 ``mix(sources, weights, n, seed)`` draws a deterministic weighted mixture of domains.
 """
@@ -28,6 +36,8 @@ import random
 import warnings
 from urllib.parse import parse_qs, urlsplit
 
+from prorl_async.data import layouts
+
 logger = logging.getLogger(__name__)
 
 NEEDS = {"math": "answer", "logic": "answer", "stem": "answer", "arithmetic": "answer",
@@ -36,8 +46,18 @@ _JSON_COLUMNS = ("tests", "constraints", "meta", "choices")
 _MAX_LISTED = 20
 
 
-def load_rows(source: str, strict: bool = False) -> list[dict]:
-    """Rows of ``source`` (a file path or a ``builtin:`` source), validated; see the module doc."""
+def load_source(source: str, data) -> list[dict]:
+    """Rows of ``source`` with a run's data settings (a :class:`~prorl_async.config.DataConfig`)."""
+    return load_rows(source, strict=data.strict, input_key=data.input_key, label_key=data.label_key,
+                     domain=data.domain)
+
+
+def load_rows(source: str, strict: bool = False, *, input_key: str = "", label_key: str = "",
+              domain: str = "") -> list[dict]:
+    """Rows of ``source`` (a file path or a ``builtin:`` source), validated; see the module doc.
+
+    ``input_key``, ``label_key`` and ``domain`` apply to files only (:mod:`.layouts`).
+    """
     if source.startswith("builtin:"):
         rows = _builtin(source)
         good, bad = validate_rows(rows, unit="row")
@@ -54,6 +74,7 @@ def load_rows(source: str, strict: bool = False) -> list[dict]:
         numbered, unit = _read_jsonl(source), "line"
     else:
         raise ValueError(f"{source}: unknown dataset format; use .jsonl, .parquet or builtin:<name>")
+    numbered = layouts.normalize(numbered, source, input_key=input_key, label_key=label_key, domain=domain)
     good, bad = validate_rows(numbered, unit=unit)
     if bad:
         if strict:
@@ -145,7 +166,9 @@ def _row_problem(row, verifiers) -> str | None:
 
 
 def _drop_absent_test_keys(tests):
-    """Parquet stores a list of structs with every field; drop the other case form's nulls."""
+    """Parquet stores structs with every field; drop the other case form's nulls."""
+    if isinstance(tests, dict):  # the HumanEval / MBPP forms
+        return {k: v for k, v in tests.items() if v is not None}
     if not isinstance(tests, list):
         return tests
     out = []
@@ -209,6 +232,10 @@ def parse_builtin(source: str) -> tuple[str, int, int, str]:
 
 def _builtin(source: str) -> list[dict]:
     name, n, seed, split = parse_builtin(source)
+    if name == "humaneval":
+        from prorl_async.data import humaneval
+
+        return humaneval.generate(n)
     if name == "arithmetic":
         from prorl_async.data import arithmetic  # owned by the core task; imported lazily
 
@@ -258,7 +285,7 @@ def mix(sources: dict[str, list[dict]], weights: dict[str, float], n: int, seed:
 def load_train_rows(data) -> list[dict]:
     """The training rows of a run's ``data`` config: ``data.train``, or the weighted ``data.mix``."""
     if not data.mix:
-        return load_rows(data.train, strict=data.strict)
-    sources = {e["source"]: load_rows(e["source"], strict=data.strict) for e in data.mix}
+        return load_source(data.train, data)
+    sources = {e["source"]: load_source(e["source"], data) for e in data.mix}
     weights = {e["source"]: float(e["weight"]) for e in data.mix}
     return mix(sources, weights, data.mix_size, seed=data.shuffle_seed)

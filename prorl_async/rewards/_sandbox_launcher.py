@@ -234,15 +234,19 @@ def _run_case_in_child(source, case, in_fd, out_w, err_w, res_w):
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
                                       errors="replace", line_buffering=True)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        is_call = case["kind"] == "call"
-        ns = {"__name__": "solution" if is_call else "__main__", "__builtins__": builtins}
+        kind = case["kind"]
+        ns = {"__name__": "__main__" if kind == "stdio" else "solution", "__builtins__": builtins}
         try:
             exec(compile(source, "<solution>", "exec"), ns)
-            if is_call:
+            payload = b""
+            if kind == "call":
                 result = _resolve_function(ns, case["fn_name"])(*case["args"])
                 payload = json.dumps(_jsonable(result), default=repr).encode()
-                while payload:
-                    payload = payload[os.write(3, payload):]
+            elif kind == "exec":  # test code (asserts, check(candidate)) run in the program's namespace
+                exec(compile(case["code"], "<test>", "exec"), ns)
+                payload = b"true"  # reached only when the test code ran to its end
+            while payload:
+                payload = payload[os.write(3, payload):]
             status = 0
         except SystemExit as e:
             status = 0 if e.code in (None, 0) else (e.code if isinstance(e.code, int) else 1)
@@ -385,7 +389,7 @@ def run_case(job, case, budget_s, workdir):
     result = {"status": status, "exit": exit_code, "time_s": round(elapsed, 4),
               "stdout": bytes(bufs[out_r][:cap]).decode("utf-8", "replace"),
               "stderr": bytes(bufs[err_r]).decode("utf-8", "replace")}
-    if case["kind"] == "call" and status == "ok":
+    if case["kind"] in ("call", "exec") and status == "ok":  # an exit before the end is no pass
         try:
             result["returned"] = json.loads(bytes(bufs[res_r]).decode("utf-8", "replace"))
         except ValueError:

@@ -12,12 +12,34 @@ block of the response, else the whole response. ``row["tests"]`` is a list of
   ``Solution().fn_name``) is called; the JSON form of its return value (tuples as lists, sets
   as sorted lists) must equal ``expected``, floats at 1e-6.
 
+or one of two dicts that carry their tests as Python code (the forms of HumanEval and MBPP):
+
+* HumanEval form ``{"check": "<source defining check(candidate)>", "entry_point": "<name>"}``,
+  optionally with ``"prompt"`` (the problem's code prompt: signature and docstring): one test,
+  passed iff ``check(<the program's entry_point>)`` returns without raising. With a prompt, a
+  program that defines ``def <entry_point>(`` at top level is a full function and runs after
+  the prompt (so the prompt's imports and helper functions exist; the program's definition
+  replaces the prompt's stub); any other program is a function *body*, appended to the prompt
+  (indented by four spaces first if none of its lines is indented) -- the completion form of
+  the original HumanEval evaluation (Chen et al. 2021). Without a prompt the program runs as is;
+* MBPP form ``{"asserts": ["assert f(1) == 2", ...], "setup": "<optional code>"}``: one test per
+  assert, each run after the program and ``setup`` in a fresh process (MBPP's
+  ``test_setup_code``); passed iff the assert holds.
+
+For these two forms the test code runs *inside* the sandbox, in the program's own namespace, as
+in the reference harnesses: a test passes only if its code ran to its end (an ``exit()`` or
+``os._exit`` before that fails it), but a program that tampers with its interpreter (an object
+equal to everything, writing the harness's completion marker itself) can fool it. Training on
+untrusted policies is safer with stdin/stdout or function-call cases, whose expected values
+never enter the sandbox.
+
 Reward: the fraction of tests passed (``code_mode="fraction"``, the PRIME/ProRL partial-credit
 choice) or 1.0 iff all pass (``code_mode="all"``). A program that loops, crashes, floods its
 output or tries to escape simply fails its tests: reward 0 with ``reason`` naming the first
 failure (``failed:timeout``, ``failed:output_limit``, ``failed:error:MemoryError``,
 ``failed:wrong_output``...). Only a sandbox that could not run at all is ``valid=False``
-(``sandbox_error``). Expected outputs never enter the sandbox.
+(``sandbox_error``). Expected outputs of stdin/stdout and function-call cases never enter the
+sandbox.
 """
 
 from __future__ import annotations
@@ -88,9 +110,11 @@ def values_equal(got, expected) -> bool:
 
 
 def to_cases(tests) -> tuple[list[dict], str | None]:
-    """Sandbox cases (inputs only) from ``row["tests"]``, or an error message."""
+    """Sandbox cases (inputs only, or test code for the dict forms) from ``row["tests"]``, or an error message."""
+    if isinstance(tests, dict):
+        return _code_test_cases(tests)
     if not isinstance(tests, list) or not tests:
-        return [], "tests must be a non-empty list"
+        return [], "tests must be a non-empty list, or a {check, entry_point} / {asserts} object"
     cases = []
     for k, t in enumerate(tests):
         if not isinstance(t, dict):
@@ -109,6 +133,46 @@ def to_cases(tests) -> tuple[list[dict], str | None]:
         else:
             return [], f"test {k} has neither input/output nor fn_name/args/expected"
     return cases, None
+
+
+_IDENT = re.compile(r"^[A-Za-z_]\w*$")
+
+
+def _code_test_cases(tests: dict) -> tuple[list[dict], str | None]:
+    """``exec`` cases of the HumanEval ``{check, entry_point}`` and MBPP ``{asserts, setup}`` forms."""
+    if "check" in tests:
+        unknown = sorted(set(tests) - {"check", "entry_point", "prompt"})
+        if unknown:
+            return [], f"unknown key(s) {unknown} in a HumanEval-form test; use check, entry_point, prompt"
+        check, entry = tests.get("check"), tests.get("entry_point")
+        if not isinstance(check, str) or not check.strip():
+            return [], "check must be Python source defining check(candidate)"
+        if not isinstance(entry, str) or not _IDENT.match(entry):
+            return [], "entry_point must be the name of the function under test"
+        if tests.get("prompt") is not None and not isinstance(tests["prompt"], str):
+            return [], "prompt must be a string (the problem's code prompt)"
+        return [{"kind": "exec", "code": f"{check}\n\ncheck({entry})\n"}], None
+    if "asserts" in tests:
+        unknown = sorted(set(tests) - {"asserts", "setup"})
+        if unknown:
+            return [], f"unknown key(s) {unknown} in an MBPP-form test; use asserts, setup"
+        asserts, setup = tests["asserts"], tests.get("setup") or ""
+        if not isinstance(asserts, list) or not asserts or not all(isinstance(a, str) and a.strip() for a in asserts):
+            return [], "asserts must be a non-empty list of Python statements (strings)"
+        if not isinstance(setup, str):
+            return [], "setup must be a string of Python code"
+        return [{"kind": "exec", "code": f"{setup}\n{a}\n"} for a in asserts], None
+    return [], "a tests object needs check and entry_point (HumanEval form) or asserts (MBPP form)"
+
+
+def humaneval_program(program: str, prompt: str, entry_point: str) -> str:
+    """The program to test for a HumanEval-form row with a code prompt (see the module doc)."""
+    if re.search(rf"^def\s+{re.escape(entry_point)}\s*\(", program, re.MULTILINE):
+        return f"{prompt.rstrip()}\n\n\n{program}"
+    lines = program.splitlines()
+    if not any(line[:1] in (" ", "\t") for line in lines if line.strip()):
+        program = "\n".join(("    " + line) if line.strip() else line for line in lines) + "\n"
+    return prompt + program if prompt.endswith("\n") else f"{prompt}\n{program}"
 
 
 def limits_from_options(options: dict) -> SandboxLimits:
@@ -142,15 +206,21 @@ def verify(row: dict, response: str, **options) -> Grade:
     program = extract_program(response)
     if not program.strip():
         return Grade(0.0, True, "no_answer", "code")
+    if isinstance(tests, dict) and tests.get("prompt"):
+        program = humaneval_program(program, tests["prompt"], tests["entry_point"])
     try:
         run = run_tests(program, cases, limits_from_options(options),
                         isolation=options.get("code_isolation", "auto"))
     except SandboxError:
         return invalid("code", "sandbox_error")
     passed, first_failure = 0, None
+    if isinstance(tests, dict):  # test code ran in the sandbox: ok means it passed
+        tests = [{"code": c["code"]} for c in cases]
     for test, case in zip(tests, run.cases):
         if case.status == "ok":
-            if "fn_name" in test:
+            if "code" in test:
+                ok = case.returned is True
+            elif "fn_name" in test:
                 ok = values_equal(case.returned, test["expected"])
             else:
                 ok = stdout_matches(case.stdout, test["output"])

@@ -204,9 +204,12 @@ def run_tests(source: str, cases: list[dict], limits: SandboxLimits = SandboxLim
               isolation: str = "auto", site_packages: bool = True) -> SandboxRun:
     """Run ``source`` once per case in a fresh sandbox process tree.
 
-    A case is ``{"kind": "stdio", "input": str}`` (program run as ``__main__`` with that stdin)
-    or ``{"kind": "call", "fn_name": str, "args": list}`` (program executed, then the top-level
-    function, or ``Solution().<fn_name>``, called). Returns one :class:`CaseResult` per case.
+    A case is ``{"kind": "stdio", "input": str}`` (program run as ``__main__`` with that stdin),
+    ``{"kind": "call", "fn_name": str, "args": list}`` (program executed, then the top-level
+    function, or ``Solution().<fn_name>``, called), or ``{"kind": "exec", "code": str}``
+    (program executed, then ``code`` in its namespace: asserts, ``check(candidate)``; status
+    ``ok`` only if ``code`` ran to its end, so an early ``exit()`` is an error, and ``returned``
+    is then ``True``). Returns one :class:`CaseResult` per case.
     Raises :class:`SandboxError` when the sandbox could not be set up or broke down.
     """
     if isolation == "auto":

@@ -247,11 +247,27 @@ def test_shape_rewards_filter_and_soft_modes():
     torch.testing.assert_close(rewards[:3], torch.tensor([0.75 - 1 / 6, -0.25 - 1 / 6, -0.5]))
 
 
+def test_shape_rewards_zero_mode_gives_truncated_responses_reward_zero():
+    raw, correct, lengths, truncated, valid = _batch()
+    rewards, keep, _ = shape_rewards(
+        raw, correct, lengths, truncated, max_length=100, step=0, cosine=False,
+        overlong_mode="zero", valid=valid,
+    )
+    # the third response (raw 1, correct) was cut at max_length: 0; the others keep 1 and 0
+    torch.testing.assert_close(rewards[:3], torch.tensor([1.0, 0.0, 0.0]))
+    assert math.isnan(rewards[3].item()) and keep.tolist() == [True, True, True, False]
+    # after the cosine reward too: 0.75, -0.25 as before, the truncated 0.5 becomes 0
+    rewards, _, _ = shape_rewards(
+        raw, correct, lengths, truncated, max_length=100, step=0, overlong_mode="zero", valid=valid,
+    )
+    torch.testing.assert_close(rewards[:3], torch.tensor([0.75, -0.25, 0.0]))
+
+
 def test_shape_rewards_rejects_nan_raw_reward_of_valid_sample_and_bad_mode():
     raw, correct, lengths, truncated, _ = _batch()
     with pytest.raises(ValueError, match=r"shape_rewards: `raw_rewards` contains 1 non-finite"):
         shape_rewards(raw, correct, lengths, truncated, max_length=100, step=0)
-    with pytest.raises(ValueError, match="valid choices: none, filter, soft"):
+    with pytest.raises(ValueError, match="valid choices: none, filter, soft, zero"):
         shape_rewards(
             raw[:3], correct[:3], lengths[:3], truncated[:3], max_length=100, step=0,
             overlong_mode="hard",

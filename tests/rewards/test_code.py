@@ -1,4 +1,6 @@
-"""Code verifier: program extraction, stdin/stdout and function-call tests, partial credit."""
+"""Code verifier: program extraction, stdin/stdout, function-call, HumanEval and MBPP tests, partial credit."""
+
+import os
 
 import pytest
 
@@ -117,3 +119,113 @@ def test_time_budget_from_the_pool_caps_the_sandbox_time():
     assert limits_from_options({"code_total_time_s": 6.0, "time_budget_s": None}).total_time_s == 6.0
     capped = limits_from_options({"code_total_time_s": 6.0, "code_time_limit_s": 2.0, "time_budget_s": 3.0})
     assert capped.total_time_s == pytest.approx(1.4) and capped.time_limit_s == pytest.approx(1.4)
+
+
+# ---- tests as Python code: the HumanEval and MBPP forms
+
+HE_PROMPT = 'from typing import List\n\n\ndef add(xs: List[int]) -> int:\n    """Sum of xs."""\n'
+HE_CHECK = "def check(candidate):\n    assert candidate([1, 2]) == 3\n    assert candidate([]) == 0\n"
+
+
+def he_row(prompt=HE_PROMPT):
+    tests = {"check": HE_CHECK, "entry_point": "add"}
+    if prompt is not None:
+        tests["prompt"] = prompt
+    return row(tests)
+
+
+@pytest.mark.parametrize("response", [
+    "    return sum(xs)\n",                                        # a completion of the prompt
+    "return sum(xs)",                                              # a bare, unindented body
+    "Sure:\n```python\ndef add(xs: List[int]) -> int:\n    return sum(xs)\n```",  # a full function
+    "```python\ndef add(xs):\n    t = 0\n    for x in xs:\n        t += x\n    return t\n```",
+])
+def test_humaneval_form_passes_a_right_body_or_function(response):
+    assert grade(he_row(), response) == grade(he_row(), response)  # deterministic
+    g = grade(he_row(), response)
+    assert (g.reward, g.valid, g.reason) == (1.0, True, "passed")
+
+
+@pytest.mark.parametrize("response,reason", [
+    ("    pass\n", "failed:error:AssertionError"),                 # a stub body returns None
+    ("    return 0\n", "failed:error:AssertionError"),
+    ("```python\ndef add(xs):\n    return len(xs)\n```", "failed:error:AssertionError"),
+    ("```python\ndef other(xs):\n    return sum(xs)\n```", "failed:error:AssertionError"),  # the stub stays
+    ("    raise SystemExit(0)\n", "failed:error:exit_0"),          # exiting early is no pass
+    ("    import os\n    os._exit(0)\n", "failed:error:exit_0"),
+    ("    while True:\n        pass\n", "failed:timeout"),
+])
+def test_humaneval_form_fails_wrong_stub_and_early_exit(response, reason):
+    g = grade(he_row(), response, code_time_limit_s=0.75, code_total_time_s=2.0)
+    assert (g.reward, g.valid, g.reason) == (0.0, True, reason)
+
+
+def test_humaneval_form_without_prompt_runs_the_program_as_is():
+    assert grade(he_row(prompt=None), "def add(xs):\n    return sum(xs)\n").reward == 1.0
+    missing = grade(he_row(prompt=None), "return sum(xs)")  # no prompt: a body is not a program
+    assert (missing.reward, missing.valid) == (0.0, True) and missing.reason.startswith("failed:error")
+
+
+def test_humaneval_program_assembly():
+    full = code_mod.humaneval_program("def add(xs):\n    return 1\n", HE_PROMPT, "add")
+    assert full.startswith(HE_PROMPT.rstrip()) and full.endswith("def add(xs):\n    return 1\n")
+    body = code_mod.humaneval_program("return 1", HE_PROMPT, "add")
+    assert body == HE_PROMPT + "    return 1\n"
+    indented = code_mod.humaneval_program("    x = 1\n    return x\n", HE_PROMPT, "add")
+    assert indented == HE_PROMPT + "    x = 1\n    return x\n"
+
+
+MBPP = {"asserts": ["assert double(1) == 2", "assert double(2) == 4", "assert double(3) == 7"],
+        "setup": "import math\nSCALE = 2"}
+
+
+def test_mbpp_form_is_the_fraction_of_asserts_passed():
+    g = grade(row(MBPP), "```python\ndef double(x):\n    return SCALE * x\n```")
+    assert g.reward == pytest.approx(2 / 3) and g.reason == "failed:error:AssertionError"
+    assert grade(row(MBPP), "def double(x):\n    return 2 * x\n", code_mode="all").reward == 0.0
+    right = {"asserts": MBPP["asserts"][:2], "setup": MBPP["setup"]}
+    assert grade(row(right), "def double(x):\n    return 2 * x\n", code_mode="all").reward == 1.0
+    # each assert runs in its own process: a program that dies in one does not take the rest
+    flaky = "import os\ndef double(x):\n    if x == 1:\n        os._exit(0)\n    return 2 * x\n"
+    assert grade(row(right), flaky).reward == 0.5
+
+
+@pytest.mark.parametrize("tests,reason", [
+    ({"check": "def check(c): pass"}, "entry_point"),
+    ({"check": "", "entry_point": "f"}, "check must be"),
+    ({"check": "def check(c): pass", "entry_point": "f(x)"}, "entry_point"),
+    ({"check": "def check(c): pass", "entry_point": "f", "tests": []}, "unknown key"),
+    ({"asserts": []}, "asserts must be"),
+    ({"asserts": ["assert f(1)"], "setup": 3}, "setup must be"),
+    ({"asserts": "assert f(1)"}, "asserts must be"),
+    ({"entry_point": "f"}, "needs check and entry_point"),
+])
+def test_malformed_code_test_objects_are_invalid(tests, reason):
+    g = grade(row(tests), "def f(x):\n    return x\n")
+    assert not g.valid and g.reason.startswith("malformed_row") and reason in g.reason
+
+
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="root isolation needs root")
+
+
+@ROOT_ONLY
+@pytest.mark.parametrize("body,reason", [
+    # a child that outlives the check, in a session of its own
+    ("    import os, time\n    if os.fork() == 0:\n        os.setsid()\n        time.sleep(60)\n"
+     "    return sum(xs) + 1\n", "failed:error:AssertionError"),
+    # tries to reach the grader's files and the network from inside check(candidate)
+    ("    import socket\n    socket.create_connection(('127.0.0.1', 9), timeout=1)\n    return sum(xs)\n",
+     "failed:error:OSError"),
+    ("    open('/etc/prorl_check_escape_probe', 'w').write('x')\n    return sum(xs)\n",
+     "failed:error:PermissionError"),
+])
+def test_hostile_code_in_the_humaneval_form_is_contained(monkeypatch, body, reason):
+    from prorl_async.rewards.sandbox import leftover_processes
+
+    runs, real = [], code_mod.run_tests
+    monkeypatch.setattr(code_mod, "run_tests", lambda *a, **k: runs.append(real(*a, **k)) or runs[-1])
+    g = grade(he_row(), body, code_time_limit_s=1.0, code_total_time_s=2.0)
+    assert (g.reward, g.valid, g.reason) == (0.0, True, reason)
+    assert runs[0].isolation == "root"
+    assert leftover_processes(runs[0].session_id, runs[0].uid) == []
+    assert not os.path.exists("/etc/prorl_check_escape_probe")
