@@ -4,7 +4,6 @@ import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 
 from prorl_async.data.arithmetic import generate
 from tests.conftest import cli
