@@ -9,23 +9,52 @@ not be scored 0.0 (verl PrimeRewardManager). So:
   :mod:`prorl_async.rewards` and ``extra_modules`` once, then grading chunks of samples;
 * each worker publishes, in a small shared-memory block (a memfd both sides ``mmap``), the
   index and start time of the sample it is grading; the parent kills (SIGKILL) a worker whose
-  current sample has run longer than ``timeout_s``, grades that sample
-  ``Grade(valid=False, reason="timeout")``, re-queues the rest of its chunk and starts a new
-  worker. Killing is the only limit that works for code stuck in C or in a tight loop, and it
-  works from any thread;
+  current sample has run longer than ``timeout_s`` and grades that sample
+  ``Grade(valid=False, reason="timeout")``. Killing is the only limit that works for code stuck
+  in C or in a tight loop, and it works from any thread;
 * an exception in a verifier gives ``valid=False, reason="error:<ExceptionType>"``, a NaN or
   infinite reward ``valid=False, reason="non_finite"``, a worker that dies (segfault,
   ``os._exit``) ``valid=False, reason="worker_died"`` for the sample it was on;
-* a worker pays Math-Verify's import and first-parse cost (~1 s) on a fixed warm-up sample,
-  untimed, before its first math sample, so that sample is not timed out for it;
 * samples travel in chunks (up to ``max_chunk`` per message) so that cheap verifiers
   (``arithmetic``) reach thousands of samples per second; a kill only invalidates the one
   sample that hung.
 
+Fast recovery (issue 15: "a batch with many timeouts costs about one time limit, not one per
+sample"). A hanging sample must not hold up the samples queued behind it, and a killed worker
+must not be replaced while everyone waits:
+
+* **stalled workers are moved aside**: a worker whose current sample has run longer than
+  ``stall_s`` (default ``min(0.5, timeout_s / 4)``) while other work waits gives up the rest of
+  its chunk (the parent lowers a ``stop_at`` index in the shared block; the worker reads it
+  before each sample), the rest is re-queued one sample per chunk, and the worker keeps running
+  its slow sample outside the ``num_workers`` active slots until it finishes or is killed at
+  ``timeout_s``. So hanging samples run their limit concurrently, up to ``max_stalled``
+  (default ``max(8, num_workers)``) at a time;
+* **spare workers**: ``spare_workers`` (default ``num_workers``) started, imported and warmed-up
+  processes wait to take a stalled or killed worker's slot at once; replacements start in the
+  background (``Popen`` does not wait), so a batch pays at most one start-up, not one per kill;
+* a worker pays Math-Verify's import and first-parse cost (~1 s) untimed on a fixed warm-up
+  sample before its first math sample; workers started after the pool has seen a domain warm it
+  up before they report ready, so a replacement is not timed out on its first sample.
+
+``max_stalled=0`` and ``spare_workers=0`` give the old behaviour (a hanging sample blocks its
+chunk; a killed worker is replaced when its slot is next needed): ``benchmarks/bench_grading.py
+--hangs`` measures both in one run. A result that arrives twice (a worker that read ``stop_at``
+a moment too late) is graded twice; the first result is kept.
+
 Options given to the pool are passed to every :func:`prorl_async.rewards.grade` call; the pool
 adds ``time_budget_s=timeout_s`` so that the code verifier fits its sandbox in the limit.
-Counters in :meth:`GraderPool.metrics` are cumulative since the pool started, except
-``grader/responses_per_s``, which is for the latest :meth:`GraderPool.grade_many` call.
+
+Health metrics (issue 13, "grader health in every step's metrics"), flat ``grader/*`` keys:
+``grader/responses``, ``grader/timeouts``, ``grader/errors`` (verifier exceptions),
+``grader/nonfinite``, ``grader/worker_died`` (each also per domain as ``grader/<name>/<domain>``),
+``grader/restarts`` (worker processes killed or died and replaced), ``grader/stalls`` (samples
+moved aside), ``grader/queue_wait_s`` / ``grader/queue_wait_max_s`` (mean / max time a sample
+waited from :meth:`GraderPool.grade_many` until a worker started it), ``grader/grade_s`` /
+``grader/grade_max_s`` (time a worker spent on a sample), ``grader/responses_per_s``, plus the
+``reward/invalid``, ``reward/invalid/<reason>``, ``reward/invalid/<domain>`` counts.
+:meth:`GraderPool.metrics` gives totals since the pool started; :meth:`GraderPool.metrics_since_last`
+the counts since its previous call (one training step), with the totals as ``<key>_total``.
 """
 
 from __future__ import annotations
@@ -40,14 +69,21 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Sequence
 
 from prorl_async.rewards import VERIFIERS, grade, resolve_options
 from prorl_async.rewards.base import Grade, invalid
 
-_PROGRESS = struct.Struct("dd")  # (index in chunk, start time on CLOCK_MONOTONIC; 0 = idle)
+_PROGRESS = struct.Struct("dd")  # worker writes: (index in chunk, start time on CLOCK_MONOTONIC; 0 = idle)
+_STOP_AT = struct.Struct("d")  # parent writes: the worker grades chunk indices < stop_at
+_SHM_SIZE = _PROGRESS.size + _STOP_AT.size
 STARTUP_TIMEOUT_S = 120.0
+
+# counters reported per domain as grader/<name>/<domain>, keyed by the invalid reason
+_HEALTH = {"timeout": "timeouts", "non_finite": "nonfinite", "worker_died": "worker_died"}
+_TOTALS = ("responses", "timeouts", "errors", "nonfinite", "worker_died", "restarts", "stalls")
 
 
 def safe_grade(row: dict, response: str, options: dict) -> Grade:
@@ -72,12 +108,15 @@ _WARM_UPS = {  # domain -> a sample whose first grading pays one-off costs (impo
 
 def _worker_main(conn_fd: int, progress_fd: int) -> None:
     conn = Connection(conn_fd)
-    progress = mmap.mmap(progress_fd, _PROGRESS.size)
+    shm = mmap.mmap(progress_fd, _SHM_SIZE)
     init = conn.recv()
     for name in init["extra_modules"]:
         importlib.import_module(name)
     options = init["options"]
     warm: set[str] = set()
+    for domain in init["warm_domains"]:
+        safe_grade(*_WARM_UPS[domain], options)
+        warm.add(domain)
     conn.send(("ready", os.getpid()))
     while True:
         msg = conn.recv()
@@ -86,16 +125,18 @@ def _worker_main(conn_fd: int, progress_fd: int) -> None:
         chunk_id, rows, responses = msg
         out = []
         for k, (row, response) in enumerate(zip(rows, responses)):
+            if k >= _STOP_AT.unpack_from(shm, _PROGRESS.size)[0]:  # the parent took the rest back
+                break
             domain = row.get("domain") if isinstance(row, dict) else None
             if domain in _WARM_UPS and domain not in warm:  # untimed: progress says idle
-                _PROGRESS.pack_into(progress, 0, -1.0, 0.0)
+                _PROGRESS.pack_into(shm, 0, -1.0, 0.0)
                 safe_grade(*_WARM_UPS[domain], options)
                 warm.add(domain)
             t0 = time.monotonic()
-            _PROGRESS.pack_into(progress, 0, float(k), t0)
+            _PROGRESS.pack_into(shm, 0, float(k), t0)
             g = safe_grade(row, response, options)
-            out.append((g.reward, g.valid, g.reason, g.domain, time.monotonic() - t0))
-        _PROGRESS.pack_into(progress, 0, -1.0, 0.0)
+            out.append((g.reward, g.valid, g.reason, g.domain, t0, time.monotonic() - t0))
+        _PROGRESS.pack_into(shm, 0, -1.0, 0.0)
         conn.send((chunk_id, out))
 
 
@@ -103,31 +144,56 @@ def _worker_main(conn_fd: int, progress_fd: int) -> None:
 # parent side
 
 
+@dataclass
+class _Chunk:
+    id: int
+    call: int  # which grade_many call it belongs to; results of an earlier call are dropped
+    idx: list = field(default_factory=list)  # sample indices in that call, in chunk order
+
+
 class _Worker:
     def __init__(self, init: dict):
         parent_sock, child_sock = _socketpair()
-        self.progress_fd = os.memfd_create("grader-progress")
-        os.ftruncate(self.progress_fd, _PROGRESS.size)
-        self.progress = mmap.mmap(self.progress_fd, _PROGRESS.size)
-        _PROGRESS.pack_into(self.progress, 0, -1.0, 0.0)
+        self.shm_fd = os.memfd_create("grader-progress")
+        os.ftruncate(self.shm_fd, _SHM_SIZE)
+        self.shm = mmap.mmap(self.shm_fd, _SHM_SIZE)
+        _PROGRESS.pack_into(self.shm, 0, -1.0, 0.0)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         code = ("import sys; from prorl_async.rewards.pool import _worker_main; "
                 "_worker_main(int(sys.argv[1]), int(sys.argv[2]))")
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", code, str(child_sock), str(self.progress_fd)],
-            pass_fds=(child_sock, self.progress_fd), env=env, close_fds=True,
+            [sys.executable, "-c", code, str(child_sock), str(self.shm_fd)],
+            pass_fds=(child_sock, self.shm_fd), env=env, close_fds=True,
         )
         os.close(child_sock)
         self.conn = Connection(parent_sock)
         self.conn.send(init)
         self.ready = False
         self.started = time.monotonic()
-        self.chunk: tuple[int, list[int]] | None = None  # (chunk id, sample indices)
+        self.chunk: _Chunk | None = None
 
     def current(self) -> tuple[int, float]:
-        k, t0 = _PROGRESS.unpack_from(self.progress, 0)
+        k, t0 = _PROGRESS.unpack_from(self.shm, 0)
         return int(k), t0
+
+    def give(self, chunk: _Chunk, rows: list, responses: list) -> None:
+        _STOP_AT.pack_into(self.shm, _PROGRESS.size, float(len(chunk.idx)))
+        self.conn.send((chunk.id, [rows[i] for i in chunk.idx], [responses[i] for i in chunk.idx]))
+        self.chunk = chunk
+
+    def stop_after(self, j: int) -> None:
+        _STOP_AT.pack_into(self.shm, _PROGRESS.size, float(j + 1))
+
+    def poll_ready(self) -> bool:
+        """Take a pending ``ready`` message without blocking; False if the worker died."""
+        try:
+            while not self.ready and self.conn.poll(0):
+                msg = self.conn.recv()
+                self.ready = msg[0] == "ready"
+        except (EOFError, OSError):
+            return False
+        return self.proc.poll() is None
 
     def kill(self) -> None:
         try:
@@ -139,8 +205,8 @@ class _Worker:
 
     def close_handles(self) -> None:
         self.conn.close()
-        self.progress.close()
-        os.close(self.progress_fd)
+        self.shm.close()
+        os.close(self.shm_fd)
 
 
 def _socketpair() -> tuple[int, int]:
@@ -155,24 +221,44 @@ class GraderPool:
 
     def __init__(self, num_workers: int = 2, timeout_s: float = 10.0,
                  extra_modules: Sequence[str] = (), options: dict | None = None,
-                 max_chunk: int = 256):
+                 max_chunk: int = 256, spare_workers: int | None = None,
+                 max_stalled: int | None = None, stall_s: float | None = None):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        for name, v in (("spare_workers", spare_workers), ("max_stalled", max_stalled)):
+            if v is not None and v < 0:
+                raise ValueError(f"{name} must be >= 0, got {v}")
+        if stall_s is not None and not 0 < stall_s <= timeout_s:
+            raise ValueError(f"stall_s must be in (0, timeout_s={timeout_s}], got {stall_s}")
         for name in extra_modules:  # registers custom verifiers here too; fails fast on a typo
             importlib.import_module(name)
         options = dict(options or {})
         options.setdefault("time_budget_s", timeout_s)
         self.options = resolve_options(options)
         self.num_workers, self.timeout_s, self.max_chunk = num_workers, float(timeout_s), max_chunk
-        self._init = {"extra_modules": list(extra_modules), "options": self.options}
-        self._lock = threading.Lock()
+        self.spare_workers = num_workers if spare_workers is None else spare_workers
+        self.max_stalled = max(8, num_workers) if max_stalled is None else max_stalled
+        self.stall_s = min(0.5, self.timeout_s / 4) if stall_s is None else float(stall_s)
+        self._extra_modules = list(extra_modules)
+        self._warm_domains: set[str] = set()
+        self._lock = threading.Lock()  # one grade_many at a time
+        self._mlock = threading.Lock()  # metrics may be read from another thread meanwhile
         self._counters: collections.Counter[str] = collections.Counter()
+        self._sums: collections.Counter[str] = collections.Counter()  # queue wait / grade time sums
+        self._maxes: dict[str, float] = {}
+        self._since: tuple[collections.Counter, collections.Counter, dict] = (
+            collections.Counter(), collections.Counter(), {})
         self._last_rate = 0.0
-        self.last_grade_times_s: list[float] = []
+        self.last_grade_times_s: list[float] = []  # per sample of the latest call: time in a worker
+        self.last_queue_wait_s: list[float] = []  # and time from the call until a worker started it
         self._closed = False
-        self._workers = [_Worker(self._init) for _ in range(num_workers)]
+        self._call = 0
+        self._next_chunk = 0
+        self._active = [self._start() for _ in range(num_workers)]  # grade queued chunks
+        self._spares = [self._start() for _ in range(self.spare_workers)]  # take a slot at once
+        self._stalled: list[_Worker] = []  # finishing one slow sample outside the active slots
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -184,19 +270,28 @@ class GraderPool:
             if self._closed:
                 raise RuntimeError("GraderPool is closed")
             t0 = time.monotonic()
-            grades, times = self._run(rows, responses)
+            grades, times, waits = self._run(rows, responses)
             wall = time.monotonic() - t0
         self._last_rate = len(rows) / wall if wall > 0 else 0.0
-        self.last_grade_times_s = times
-        self._count(grades)
+        self.last_grade_times_s, self.last_queue_wait_s = times, waits
+        self._count(grades, times, waits)
         return grades
 
     def metrics(self) -> dict[str, float]:
-        m = {k: float(v) for k, v in self._counters.items()}
-        for key in ("reward/invalid", "grader/responses", "grader/timeouts",
-                    "grader/worker_restarts", "grader/errors"):
-            m.setdefault(key, 0.0)
-        m["grader/responses_per_s"] = self._last_rate
+        """Totals since the pool started (``grader/responses_per_s``: the latest call)."""
+        with self._mlock:
+            return self._render(self._counters, self._sums, self._maxes)
+
+    def metrics_since_last(self) -> dict[str, float]:
+        """Counts since the previous call (one training step), plus ``<key>_total`` totals."""
+        with self._mlock:
+            c0, s0, _ = self._since
+            counters = self._counters - c0
+            sums = self._sums - s0
+            m = self._render(counters, sums, self._since[2])
+            for name in _TOTALS:
+                m[f"grader/{name}_total"] = float(self._counters[f"grader/{name}"])
+            self._since = (self._counters.copy(), self._sums.copy(), {})
         return m
 
     def close(self) -> None:
@@ -204,12 +299,15 @@ class GraderPool:
             if self._closed:
                 return
             self._closed = True
-            for w in self._workers:
+            workers = self._active + self._spares + self._stalled
+            for w in self._stalled:  # busy with a slow sample: nothing left to wait for
+                w.proc.kill()
+            for w in workers:
                 try:
                     w.conn.send(None)
                 except OSError:
                     pass
-            for w in self._workers:
+            for w in workers:
                 try:
                     w.proc.wait(timeout=5)
                 except subprocess.TimeoutExpired:
@@ -225,104 +323,212 @@ class GraderPool:
 
     def __del__(self):
         if not getattr(self, "_closed", True):
-            for w in self._workers:
+            for w in self._active + self._spares + self._stalled:
                 w.proc.kill()
 
-    # -- internals -----------------------------------------------------------------------------
+    # -- metrics -------------------------------------------------------------------------------
 
-    def _count(self, grades: list[Grade]) -> None:
-        c = self._counters
-        c["grader/responses"] += len(grades)
-        for g in grades:
-            if not g.valid:
+    def _count(self, grades: list[Grade], times: list[float], waits: list[float]) -> None:
+        with self._mlock:
+            c = self._counters
+            c["grader/responses"] += len(grades)
+            for g in grades:
+                if g.valid:
+                    continue
                 c["reward/invalid"] += 1
                 c[f"reward/invalid/{g.reason}"] += 1
                 c[f"reward/invalid/{g.domain}"] += 1
-                if g.reason == "timeout":
-                    c["grader/timeouts"] += 1
-                elif g.reason.startswith("error:") or g.reason == "worker_died":
-                    c["grader/errors"] += 1
+                name = "errors" if g.reason.startswith("error:") else _HEALTH.get(g.reason)
+                if name:
+                    c[f"grader/{name}"] += 1
+                    c[f"grader/{name}/{g.domain}"] += 1
+            self._sums["queue_wait"] += sum(waits)
+            self._sums["grade"] += sum(times)
+            for key, values in (("queue_wait", waits), ("grade", times)):
+                if values:
+                    for maxes in (self._maxes, self._since[2]):
+                        maxes[key] = max(maxes.get(key, 0.0), max(values))
 
-    def _respawn(self, i: int) -> None:
-        self._workers[i].kill()
-        self._workers[i] = _Worker(self._init)
-        self._counters["grader/worker_restarts"] += 1
+    def _bump(self, key: str) -> None:
+        with self._mlock:
+            self._counters[key] += 1
 
-    def _run(self, rows: list[dict], responses: list[str]) -> tuple[list[Grade], list[float]]:
+    def _render(self, counters, sums, maxes) -> dict[str, float]:
+        m = {k: float(v) for k, v in counters.items()}
+        for key in ("reward/invalid", *(f"grader/{name}" for name in _TOTALS)):
+            m.setdefault(key, 0.0)
+        n = max(m["grader/responses"], 1.0)
+        m["grader/queue_wait_s"] = sums["queue_wait"] / n
+        m["grader/queue_wait_max_s"] = maxes.get("queue_wait", 0.0)
+        m["grader/grade_s"] = sums["grade"] / n
+        m["grader/grade_max_s"] = maxes.get("grade", 0.0)
+        m["grader/responses_per_s"] = self._last_rate
+        return m
+
+    # -- workers -------------------------------------------------------------------------------
+
+    def _start(self) -> _Worker:
+        init = {"extra_modules": self._extra_modules, "options": self.options,
+                "warm_domains": sorted(self._warm_domains)}
+        return _Worker(init)
+
+    def _fill_slots(self) -> None:
+        """Keep ``num_workers`` active workers (a ready spare first) and top up the spares."""
+        while len(self._active) < self.num_workers:
+            self._spares = [w for w in self._spares if w.poll_ready() or self._discard(w)]
+            ready = [w for w in self._spares if w.ready]
+            w = (ready or self._spares or [None])[0]
+            if w is None:
+                w = self._start()
+            else:
+                self._spares.remove(w)
+            self._active.append(w)
+        while len(self._spares) < self.spare_workers:
+            self._spares.append(self._start())
+
+    def _discard(self, w: _Worker) -> bool:
+        """A spare that died while idle: reap it, count a restart. Returns False (filter it out)."""
+        w.kill()
+        self._bump("grader/restarts")
+        return False
+
+    def _replace(self, w: _Worker) -> None:
+        """Kill ``w`` (timed out or died) and take it out of the pool; its slot is refilled."""
+        w.kill()
+        self._bump("grader/restarts")
+        for group in (self._active, self._stalled):
+            if w in group:
+                group.remove(w)
+        self._fill_slots()
+
+    def _release(self, w: _Worker) -> None:
+        """A stalled worker finished its chunk: back to an active slot, a spare, or retired."""
+        self._stalled.remove(w)
+        if len(self._active) < self.num_workers:
+            self._active.append(w)
+        elif len(self._spares) < self.spare_workers:
+            self._spares.append(w)
+        else:
+            try:
+                w.conn.send(None)
+                w.proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                w.proc.kill()
+                w.proc.wait()
+            w.close_handles()
+
+    # -- grading -------------------------------------------------------------------------------
+
+    def _run(self, rows: list[dict], responses: list[str]) -> tuple[list[Grade], list[float], list[float]]:
         n = len(rows)
+        self._call += 1
+        call, t_enqueue = self._call, time.monotonic()
         grades: list[Grade | None] = [None] * n
-        times = [0.0] * n
+        times, waits = [0.0] * n, [0.0] * n
+        new_domains = {r.get("domain") for r in rows if isinstance(r, dict)} & set(_WARM_UPS)
+        self._warm_domains |= new_domains  # workers started from now on warm these up first
         size = max(1, min(self.max_chunk, math.ceil(n / (self.num_workers * 4))))
         queue = collections.deque(list(range(s, min(s + size, n))) for s in range(0, n, size))
-        next_id = 0
         remaining = n
+
+        def settle(i: int, g: Grade, dt: float, wait_s: float) -> None:
+            nonlocal remaining
+            if grades[i] is None:
+                grades[i], times[i], waits[i] = g, dt, wait_s
+                remaining -= 1
+
+        def fail_current(w: _Worker, reason: str) -> None:
+            """Invalidate the sample ``w`` is on, re-queue the rest of its chunk, replace ``w``."""
+            j, t0 = w.current()
+            chunk = w.chunk
+            if chunk is not None and chunk.call == call:
+                idx = chunk.idx
+                if 0 <= j < len(idx):
+                    i = idx[j]
+                    domain = rows[i].get("domain") if isinstance(rows[i], dict) else None
+                    now = time.monotonic()
+                    settle(i, invalid(str(domain), reason), now - t0 if t0 > 0 else 0.0,
+                           max(0.0, t0 - t_enqueue) if t0 > 0 else 0.0)
+                    rest = idx[:j] + idx[j + 1:]
+                else:  # died between samples: nothing to blame, re-run everything
+                    rest = idx
+                if rest:
+                    queue.appendleft(rest)
+            w.chunk = None
+            self._replace(w)
+
         while remaining:
-            for k, w in enumerate(self._workers):  # hand out work
-                if w.chunk is None and queue:
-                    idx = queue.popleft()
-                    try:
-                        w.conn.send((next_id, [rows[i] for i in idx], [responses[i] for i in idx]))
-                    except OSError:  # died while idle (e.g. the OOM killer): replace, retry the chunk
-                        queue.appendleft(idx)
-                        self._respawn(k)
-                        continue
-                    w.chunk = (next_id, idx)
-                    next_id += 1
-            busy = [w for w in self._workers if w.chunk is not None]
-            ready = wait([w.conn for w in busy], timeout=self._poll_interval(busy))
-            for conn in ready:
-                k = next(i for i, w in enumerate(self._workers) if w.conn is conn)
-                w = self._workers[k]
+            for w in list(self._active):  # hand out work
+                if w.chunk is not None:
+                    continue
+                while queue:
+                    idx = [i for i in queue.popleft() if grades[i] is None]
+                    if idx:
+                        break
+                else:
+                    break
+                self._next_chunk += 1
+                try:
+                    w.give(_Chunk(self._next_chunk, call, idx), rows, responses)
+                except OSError:  # died while idle (e.g. the OOM killer): replace, retry the chunk
+                    queue.appendleft(idx)
+                    w.chunk = None
+                    self._replace(w)
+            busy = [w for w in self._active + self._stalled if w.chunk is not None]
+            if not busy:
+                if queue:  # a replacement slot is waiting for work: loop to hand it out
+                    continue
+                raise RuntimeError(f"grader pool lost track of {remaining} samples")  # a bug, not a fault
+            for conn in wait([w.conn for w in busy], timeout=self._poll_interval(busy)):
+                w = next(w for w in busy if w.conn is conn)
                 try:
                     msg = conn.recv()
                 except (EOFError, OSError):
                     if not w.ready:
                         raise RuntimeError("a grader worker died while starting (see its stderr)")
-                    remaining -= self._fail_current(k, "worker_died", rows, grades, times, queue)
+                    fail_current(w, "worker_died")
                     continue
                 if msg[0] == "ready":
                     w.ready = True
                     continue
                 chunk_id, out = msg
-                _, idx = w.chunk
-                for i, (reward, valid, reason, domain, dt) in zip(idx, out):
-                    grades[i] = Grade(reward, valid, reason, domain)
-                    times[i] = dt
-                remaining -= len(idx)
+                if w.chunk is not None and w.chunk.id == chunk_id and w.chunk.call == call:
+                    for i, (reward, valid, reason, domain, t0, dt) in zip(w.chunk.idx, out):
+                        settle(i, Grade(reward, valid, reason, domain), dt, max(0.0, t0 - t_enqueue))
                 w.chunk = None
+                if w in self._stalled:
+                    self._release(w)
             now = time.monotonic()
-            for k, w in enumerate(self._workers):  # enforce the per-sample limit
+            for w in self._active + self._stalled:  # enforce the per-sample limit
                 if w.chunk is None:
                     continue
                 j, t0 = w.current()
                 if t0 > 0 and now - t0 > self.timeout_s:
-                    remaining -= self._fail_current(k, "timeout", rows, grades, times, queue)
+                    fail_current(w, "timeout")
                 elif not w.ready and now - w.started > STARTUP_TIMEOUT_S:
                     raise RuntimeError(f"grader worker did not start within {STARTUP_TIMEOUT_S} s")
-        return grades, times  # type: ignore[return-value]
+                elif (t0 > 0 and now - t0 > self.stall_s and w in self._active
+                      and len(self._stalled) < self.max_stalled and w.chunk.call == call):
+                    self._move_aside(w, j, queue)
+        return grades, times, waits  # type: ignore[return-value]
 
-    def _fail_current(self, k: int, reason: str, rows: list[dict], grades: list, times: list,
-                      queue: collections.deque) -> int:
-        """Invalidate the sample worker k is on, re-queue the rest of its chunk, replace it."""
-        w = self._workers[k]
-        j, t0 = w.current()
-        _, idx = w.chunk
-        failed = 0
-        if 0 <= j < len(idx):
-            i = idx[j]
-            domain = rows[i].get("domain") if isinstance(rows[i], dict) else None
-            grades[i] = invalid(str(domain), reason)
-            if t0 > 0:
-                times[i] = time.monotonic() - t0
-            rest = idx[:j] + idx[j + 1:]
-            failed = 1
-        else:  # died between samples: nothing to blame, re-run everything
-            rest = idx
-        if rest:
-            queue.appendleft(rest)
-        w.chunk = None
-        self._respawn(k)
-        return failed
+    def _move_aside(self, w: _Worker, j: int, queue: collections.deque) -> None:
+        """``w`` has been on sample ``j`` of its chunk past ``stall_s``: if other work waits for
+        it, take back the rest of its chunk (one sample per chunk, so that several hanging
+        samples run their limits side by side) and let a spare take its active slot."""
+        idx = w.chunk.idx
+        if not 0 <= j < len(idx):
+            return
+        rest = idx[j + 1:]
+        if not rest and not queue:
+            return  # nothing waits behind it
+        w.stop_after(j)
+        w.chunk.idx = idx[:j + 1]
+        queue.extendleft([i] for i in reversed(rest))
+        self._active.remove(w)
+        self._stalled.append(w)
+        self._bump("grader/stalls")
+        self._fill_slots()
 
     def _poll_interval(self, busy: list[_Worker]) -> float:
         now = time.monotonic()
@@ -331,4 +537,6 @@ class GraderPool:
             _, t0 = w.current()
             if t0 > 0:
                 interval = min(interval, t0 + self.timeout_s - now)
+                if w in self._active and t0 + self.stall_s > now:  # not yet due to be moved aside
+                    interval = min(interval, t0 + self.stall_s - now)
         return max(interval, 0.001)
