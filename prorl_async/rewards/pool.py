@@ -24,18 +24,20 @@ sample"). A hanging sample must not hold up the samples queued behind it, and a 
 must not be replaced while everyone waits:
 
 * **stalled workers are moved aside**: a worker whose current sample has run longer than
-  ``stall_s`` (default ``min(0.5, timeout_s / 4)``) while other work waits gives up the rest of
+  ``stall_s`` (default ``min(1, timeout_s / 10)``) while other work waits gives up the rest of
   its chunk (the parent lowers a ``stop_at`` index in the shared block; the worker reads it
   before each sample), the rest is re-queued one sample per chunk, and the worker keeps running
   its slow sample outside the ``num_workers`` active slots until it finishes or is killed at
   ``timeout_s``. So hanging samples run their limit concurrently, up to ``max_stalled``
   (default ``max(8, num_workers)``) at a time;
 * **spare workers**: ``spare_workers`` (default ``num_workers``) started, imported and warmed-up
-  processes wait to take a stalled or killed worker's slot at once; replacements start in the
+  processes wait to take a stalled or killed worker's slot at once (a worker moved aside becomes
+  a spare again when its slow sample ends); replacements of killed workers start in the
   background (``Popen`` does not wait), so a batch pays at most one start-up, not one per kill;
 * a worker pays Math-Verify's import and first-parse cost (~1 s) untimed on a fixed warm-up
-  sample before its first math sample; workers started after the pool has seen a domain warm it
-  up before they report ready, so a replacement is not timed out on its first sample.
+  sample before its first math sample; once the pool has seen such a domain, idle spares warm it
+  up at once and new workers before they report ready, so a replacement does not pay it in a
+  batch.
 
 ``max_stalled=0`` and ``spare_workers=0`` give the old behaviour (a hanging sample blocks its
 chunk; a killed worker is replaced when its slot is next needed): ``benchmarks/bench_grading.py
@@ -64,6 +66,9 @@ import importlib
 import math
 import mmap
 import os
+import select
+import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -71,6 +76,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import recvfds, sendfds
 from typing import Sequence
 
 from prorl_async.rewards import VERIFIERS, grade, resolve_options
@@ -106,22 +112,22 @@ _WARM_UPS = {  # domain -> a sample whose first grading pays one-off costs (impo
 }
 
 
-def _worker_main(conn_fd: int, progress_fd: int) -> None:
-    conn = Connection(conn_fd)
-    shm = mmap.mmap(progress_fd, _SHM_SIZE)
-    init = conn.recv()
-    for name in init["extra_modules"]:
-        importlib.import_module(name)
-    options = init["options"]
-    warm: set[str] = set()
-    for domain in init["warm_domains"]:
+def _warm_up(domains, warm: set, options: dict) -> None:
+    for domain in set(domains) - warm:
         safe_grade(*_WARM_UPS[domain], options)
         warm.add(domain)
+
+
+def _serve(conn: Connection, shm: mmap.mmap, options: dict, warm: set) -> None:
+    """A worker's loop: grade the chunks sent on ``conn`` until ``None`` arrives."""
     conn.send(("ready", os.getpid()))
     while True:
         msg = conn.recv()
         if msg is None:
             return
+        if msg[0] == "warm":  # an idle spare learns of a domain the pool has started to see
+            _warm_up(msg[1], warm, options)
+            continue
         chunk_id, rows, responses = msg
         out = []
         for k, (row, response) in enumerate(zip(rows, responses)):
@@ -130,14 +136,55 @@ def _worker_main(conn_fd: int, progress_fd: int) -> None:
             domain = row.get("domain") if isinstance(row, dict) else None
             if domain in _WARM_UPS and domain not in warm:  # untimed: progress says idle
                 _PROGRESS.pack_into(shm, 0, -1.0, 0.0)
-                safe_grade(*_WARM_UPS[domain], options)
-                warm.add(domain)
+                _warm_up([domain], warm, options)
             t0 = time.monotonic()
             _PROGRESS.pack_into(shm, 0, float(k), t0)
             g = safe_grade(row, response, options)
             out.append((g.reward, g.valid, g.reason, g.domain, t0, time.monotonic() - t0))
         _PROGRESS.pack_into(shm, 0, -1.0, 0.0)
         conn.send((chunk_id, out))
+
+
+def _zygote_main(conn_fd: int) -> None:
+    """The fork server: imports the verifiers and warms them up once, then forks one worker per
+    ``("spawn", warm_domains)`` request (the worker's socket and shared block arrive as passed
+    file descriptors) and answers with its pid. It has no threads, so forking it is safe."""
+    sock = socket.socket(fileno=conn_fd)
+    conn = Connection(os.dup(conn_fd))
+    init = conn.recv()
+    for name in init["extra_modules"]:
+        importlib.import_module(name)
+    options = init["options"]
+    warm: set[str] = set()
+    _warm_up(init["warm_domains"], warm, options)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the workers
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        _warm_up(msg[1], warm, options)
+        if msg[0] == "warm":
+            continue
+        worker_fd, shm_fd = recvfds(sock, 2)
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the code sandbox waits for its children
+                conn.close()
+                sock.close()
+                _serve(Connection(worker_fd), mmap.mmap(shm_fd, _SHM_SIZE), options, warm)
+            except BaseException:  # noqa: BLE001 -- a worker's own end; the parent sees EOF
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(worker_fd)
+        os.close(shm_fd)
+        conn.send(("spawned", pid))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,24 +198,85 @@ class _Chunk:
     idx: list = field(default_factory=list)  # sample indices in that call, in chunk order
 
 
-class _Worker:
+def _exec_python(code: str, args: list[int]) -> subprocess.Popen:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], pass_fds=tuple(args), env=env,
+                            close_fds=True)
+
+
+class _Zygote:
+    """Parent side of the fork server (see :func:`_zygote_main`)."""
+
     def __init__(self, init: dict):
+        parent_sock, child_sock = socket.socketpair()
+        self.proc = _exec_python("import sys; from prorl_async.rewards.pool import _zygote_main; "
+                                 "_zygote_main(int(sys.argv[1]))", [child_sock.fileno()])
+        child_sock.close()
+        self.sock = parent_sock
+        self.conn = Connection(os.dup(parent_sock.fileno()))
+        self.conn.send(init)
+        self.ready = False
+
+    def spawn(self, warm_domains: list[str], worker_fd: int, shm_fd: int) -> int:
+        """Fork a worker serving ``worker_fd`` / ``shm_fd``; its pid. Raises OSError if the
+        fork server is gone or does not answer."""
+        try:
+            self.conn.send(("spawn", warm_domains))
+            sendfds(self.sock, [worker_fd, shm_fd])
+            while True:
+                if not self.conn.poll(STARTUP_TIMEOUT_S):
+                    raise OSError("the grader fork server did not answer")
+                msg = self.conn.recv()
+                if msg[0] == "spawned":
+                    return msg[1]
+                self.ready = True  # its ("ready", pid)
+        except EOFError as e:
+            raise OSError("the grader fork server died (see its stderr)") from e
+
+    def warm(self, domains: list[str]) -> None:
+        try:
+            self.conn.send(("warm", domains))
+        except OSError:
+            pass  # gone: found at the next spawn
+
+    def close(self) -> None:
+        try:
+            self.conn.send(None)
+            self.proc.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        self.conn.close()
+        self.sock.close()
+
+
+class _Worker:
+    """One grading process: forked by the fork server, or (``zygote=None``) exec-ed."""
+
+    def __init__(self, init: dict, zygote: _Zygote | None):
         parent_sock, child_sock = _socketpair()
         self.shm_fd = os.memfd_create("grader-progress")
         os.ftruncate(self.shm_fd, _SHM_SIZE)
         self.shm = mmap.mmap(self.shm_fd, _SHM_SIZE)
         _PROGRESS.pack_into(self.shm, 0, -1.0, 0.0)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        code = ("import sys; from prorl_async.rewards.pool import _worker_main; "
-                "_worker_main(int(sys.argv[1]), int(sys.argv[2]))")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", code, str(child_sock), str(self.shm_fd)],
-            pass_fds=(child_sock, self.shm_fd), env=env, close_fds=True,
-        )
+        self.proc: subprocess.Popen | None = None
+        try:
+            if zygote is None:
+                raise OSError("no fork server")
+            self.pid = zygote.spawn(init["warm_domains"], child_sock, self.shm_fd)
+            self.pidfd = os.pidfd_open(self.pid)  # kill and wait without pid-reuse races
+        except OSError:
+            self.proc = _exec_python("import sys; from prorl_async.rewards.pool import _worker_main; "
+                                     "_worker_main(int(sys.argv[1]), int(sys.argv[2]))", [child_sock, self.shm_fd])
+            self.pid, self.pidfd = self.proc.pid, None
+            self.forked = False
+        else:
+            self.forked = True
         os.close(child_sock)
         self.conn = Connection(parent_sock)
-        self.conn.send(init)
+        if self.proc is not None:
+            self.conn.send(init)
         self.ready = False
         self.started = time.monotonic()
         self.chunk: _Chunk | None = None
@@ -185,6 +293,11 @@ class _Worker:
     def stop_after(self, j: int) -> None:
         _STOP_AT.pack_into(self.shm, _PROGRESS.size, float(j + 1))
 
+    def alive(self) -> bool:
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return not select.select([self.pidfd], [], [], 0)[0]  # a pidfd turns readable at exit
+
     def poll_ready(self) -> bool:
         """Take a pending ``ready`` message without blocking; False if the worker died."""
         try:
@@ -193,25 +306,64 @@ class _Worker:
                 self.ready = msg[0] == "ready"
         except (EOFError, OSError):
             return False
-        return self.proc.poll() is None
+        return self.alive()
 
-    def kill(self) -> None:
+    def signal(self, sig: int) -> None:
         try:
-            self.proc.kill()
+            if self.proc is not None:
+                self.proc.send_signal(sig)
+            else:
+                signal.pidfd_send_signal(self.pidfd, sig)
         except ProcessLookupError:
             pass
-        self.proc.wait()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the process has exited; False on timeout."""
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=timeout)
+                return True
+            except subprocess.TimeoutExpired:
+                return False
+        return bool(select.select([self.pidfd], [], [], timeout)[0])
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.wait()
+        self.close_handles()
+
+    def stop(self) -> None:
+        """Ask an idle worker to exit; kill it if it does not within 5 s."""
+        try:
+            self.conn.send(None)
+        except OSError:
+            pass
+        if not self.wait(timeout=5):
+            self.signal(signal.SIGKILL)
+            self.wait()
         self.close_handles()
 
     def close_handles(self) -> None:
         self.conn.close()
         self.shm.close()
         os.close(self.shm_fd)
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+
+def _worker_main(conn_fd: int, progress_fd: int) -> None:
+    """An exec-ed worker (used when the fork server is unavailable)."""
+    conn = Connection(conn_fd)
+    init = conn.recv()
+    for name in init["extra_modules"]:
+        importlib.import_module(name)
+    warm: set[str] = set()
+    _warm_up(init["warm_domains"], warm, init["options"])
+    _serve(conn, mmap.mmap(progress_fd, _SHM_SIZE), init["options"], warm)
 
 
 def _socketpair() -> tuple[int, int]:
-    import socket
-
     a, b = socket.socketpair()
     return a.detach(), b.detach()
 
@@ -240,7 +392,7 @@ class GraderPool:
         self.num_workers, self.timeout_s, self.max_chunk = num_workers, float(timeout_s), max_chunk
         self.spare_workers = num_workers if spare_workers is None else spare_workers
         self.max_stalled = max(8, num_workers) if max_stalled is None else max_stalled
-        self.stall_s = min(0.5, self.timeout_s / 4) if stall_s is None else float(stall_s)
+        self.stall_s = min(1.0, self.timeout_s / 10) if stall_s is None else float(stall_s)
         self._extra_modules = list(extra_modules)
         self._warm_domains: set[str] = set()
         self._lock = threading.Lock()  # one grade_many at a time
@@ -256,6 +408,7 @@ class GraderPool:
         self._closed = False
         self._call = 0
         self._next_chunk = 0
+        self._zygote = _Zygote(self._init())
         self._active = [self._start() for _ in range(num_workers)]  # grade queued chunks
         self._spares = [self._start() for _ in range(self.spare_workers)]  # take a slot at once
         self._stalled: list[_Worker] = []  # finishing one slow sample outside the active slots
@@ -299,21 +452,16 @@ class GraderPool:
             if self._closed:
                 return
             self._closed = True
-            workers = self._active + self._spares + self._stalled
             for w in self._stalled:  # busy with a slow sample: nothing left to wait for
-                w.proc.kill()
-            for w in workers:
+                w.kill()
+            for w in self._active + self._spares:
                 try:
                     w.conn.send(None)
                 except OSError:
                     pass
-            for w in workers:
-                try:
-                    w.proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    w.proc.kill()
-                    w.proc.wait()
-                w.close_handles()
+            for w in self._active + self._spares:
+                w.stop()
+            self._zygote.close()
 
     def __enter__(self) -> "GraderPool":
         return self
@@ -324,7 +472,8 @@ class GraderPool:
     def __del__(self):
         if not getattr(self, "_closed", True):
             for w in self._active + self._spares + self._stalled:
-                w.proc.kill()
+                w.signal(signal.SIGKILL)
+            self._zygote.proc.kill()
 
     # -- metrics -------------------------------------------------------------------------------
 
@@ -367,13 +516,23 @@ class GraderPool:
 
     # -- workers -------------------------------------------------------------------------------
 
-    def _start(self) -> _Worker:
-        init = {"extra_modules": self._extra_modules, "options": self.options,
+    def _init(self) -> dict:
+        return {"extra_modules": self._extra_modules, "options": self.options,
                 "warm_domains": sorted(self._warm_domains)}
-        return _Worker(init)
+
+    def _start(self) -> _Worker:
+        """A new worker, forked by the fork server (milliseconds); if that is gone, exec one and
+        start a new fork server for the next."""
+        w = _Worker(self._init(), self._zygote)
+        if not w.forked:
+            self._zygote.close()
+            self._zygote = _Zygote(self._init())
+            self._bump("grader/fork_server_restarts")
+        return w
 
     def _fill_slots(self) -> None:
-        """Keep ``num_workers`` active workers (a ready spare first) and top up the spares."""
+        """Keep ``num_workers`` active workers (a ready spare first, else a new process) and top
+        up the spares."""
         while len(self._active) < self.num_workers:
             self._spares = [w for w in self._spares if w.poll_ready() or self._discard(w)]
             ready = [w for w in self._spares if w.ready]
@@ -402,20 +561,11 @@ class GraderPool:
         self._fill_slots()
 
     def _release(self, w: _Worker) -> None:
-        """A stalled worker finished its chunk: back to an active slot, a spare, or retired."""
+        """A stalled worker finished its slow sample: it exits; the fork server makes a new one in
+        milliseconds when one is needed."""
         self._stalled.remove(w)
-        if len(self._active) < self.num_workers:
-            self._active.append(w)
-        elif len(self._spares) < self.spare_workers:
-            self._spares.append(w)
-        else:
-            try:
-                w.conn.send(None)
-                w.proc.wait(timeout=5)
-            except (OSError, subprocess.TimeoutExpired):
-                w.proc.kill()
-                w.proc.wait()
-            w.close_handles()
+        w.stop()
+        self._fill_slots()
 
     # -- grading -------------------------------------------------------------------------------
 
@@ -425,8 +575,15 @@ class GraderPool:
         call, t_enqueue = self._call, time.monotonic()
         grades: list[Grade | None] = [None] * n
         times, waits = [0.0] * n, [0.0] * n
-        new_domains = {r.get("domain") for r in rows if isinstance(r, dict)} & set(_WARM_UPS)
-        self._warm_domains |= new_domains  # workers started from now on warm these up first
+        new_domains = {r.get("domain") for r in rows if isinstance(r, dict)} & set(_WARM_UPS) - self._warm_domains
+        if new_domains:  # workers started from now on warm these up first; idle spares now
+            self._warm_domains |= new_domains
+            self._zygote.warm(sorted(new_domains))
+            for w in self._spares:
+                try:
+                    w.conn.send(("warm", sorted(new_domains)))
+                except OSError:
+                    pass  # died while idle: found and replaced when it is promoted
         size = max(1, min(self.max_chunk, math.ceil(n / (self.num_workers * 4))))
         queue = collections.deque(list(range(s, min(s + size, n))) for s in range(0, n, size))
         remaining = n

@@ -4,6 +4,7 @@ from many hangs at once, and the ``grader/*`` health metrics (per step and in to
 Rates and wall times are measured in ``benchmarks/bench_grading.py``, not asserted here."""
 
 import os
+import signal
 import threading
 import time
 
@@ -170,7 +171,7 @@ def test_killing_a_worker_mid_sandbox_leaves_no_sandbox_processes():
 
 def test_close_stops_workers_and_rejects_work():
     p = GraderPool(num_workers=2, timeout_s=5.0)
-    pids = [w.proc.pid for w in p._active + p._spares]
+    pids = [w.pid for w in p._active + p._spares] + [p._zygote.proc.pid]
     assert p.grade_many(*arith_rows(10))[1].reward == 1.0
     p.close()
     for pid in pids:
@@ -193,8 +194,8 @@ def test_argument_validation(pool):
 
 def test_a_worker_that_died_while_idle_is_replaced():
     with GraderPool(num_workers=1, timeout_s=5.0) as p:
-        p._active[0].proc.kill()  # e.g. the OOM killer, between two batches
-        p._active[0].proc.wait()
+        p._active[0].signal(signal.SIGKILL)  # e.g. the OOM killer, between two batches
+        assert p._active[0].wait(timeout=10)
         grades = p.grade_many(*arith_rows(30))
         assert [g.reward for g in grades] == [0.0 if i % 3 == 0 else 1.0 for i in range(30)]
         assert p.metrics()["grader/restarts"] == 1
