@@ -471,9 +471,10 @@ class GraderPool:
 
     def __del__(self):
         if not getattr(self, "_closed", True):
-            for w in self._active + self._spares + self._stalled:
+            for w in getattr(self, "_active", []) + getattr(self, "_spares", []) + getattr(self, "_stalled", []):
                 w.signal(signal.SIGKILL)
-            self._zygote.proc.kill()
+            if hasattr(self, "_zygote"):
+                self._zygote.proc.kill()
 
     # -- metrics -------------------------------------------------------------------------------
 
