@@ -4,9 +4,14 @@ Why (LESSONS.md): a reward function that hangs (SymPy / Math-Verify on adversari
 Math-Verify #65, verl PR #6673) must not stall the step, and a grader timeout or exception must
 not be scored 0.0 (verl PrimeRewardManager). So:
 
-* workers are separate interpreter processes started with ``subprocess`` (a fresh ``exec``,
-  never ``fork``: the pool lives inside a Ray actor that has threads), importing
-  :mod:`prorl_async.rewards` and ``extra_modules`` once, then grading chunks of samples;
+* workers are separate processes that grade chunks of samples. The pool never forks itself (it
+  lives inside a Ray actor that has threads): it starts one **fork server** with ``subprocess``
+  (a fresh ``exec``), which imports :mod:`prorl_async.rewards` and ``extra_modules``, warms up
+  the verifiers that need it, and has no threads; every worker is forked from it on request
+  (its socket and shared block passed as file descriptors), in milliseconds and already warm.
+  The pool holds a pidfd of each worker, so killing it cannot hit a reused pid. If the fork
+  server dies, a worker is ``exec``-ed directly and a new fork server started
+  (``grader/fork_server_restarts``);
 * each worker publishes, in a small shared-memory block (a memfd both sides ``mmap``), the
   index and start time of the sample it is grading; the parent kills (SIGKILL) a worker whose
   current sample has run longer than ``timeout_s`` and grades that sample
@@ -26,22 +31,25 @@ must not be replaced while everyone waits:
 * **stalled workers are moved aside**: a worker whose current sample has run longer than
   ``stall_s`` (default ``min(1, timeout_s / 10)``) while other work waits gives up the rest of
   its chunk (the parent lowers a ``stop_at`` index in the shared block; the worker reads it
-  before each sample), the rest is re-queued one sample per chunk, and the worker keeps running
+  before each sample), the rest goes to the back of the queue, and the worker keeps running
   its slow sample outside the ``num_workers`` active slots until it finishes or is killed at
   ``timeout_s``. So hanging samples run their limit concurrently, up to ``max_stalled``
   (default ``max(8, num_workers)``) at a time;
-* **spare workers**: ``spare_workers`` (default ``num_workers``) started, imported and warmed-up
-  processes wait to take a stalled or killed worker's slot at once (a worker moved aside becomes
-  a spare again when its slow sample ends); replacements of killed workers start in the
-  background (``Popen`` does not wait), so a batch pays at most one start-up, not one per kill;
-* a worker pays Math-Verify's import and first-parse cost (~1 s) untimed on a fixed warm-up
-  sample before its first math sample; once the pool has seen such a domain, idle spares warm it
-  up at once and new workers before they report ready, so a replacement does not pay it in a
-  batch.
+* **spare workers**: ``spare_workers`` (default ``num_workers``) forked, ready processes wait
+  to take a stalled or killed worker's slot at once, and are topped up by the fork server, so
+  a batch never waits for an interpreter start or Math-Verify's import (~1 s, measured 0.3 s +
+  0.9 s on the development machine under load) per kill. A worker moved aside exits when its
+  slow sample ends;
+* a worker pays Math-Verify's import and first-parse cost untimed on a fixed warm-up sample
+  before its first math sample; once the pool has seen such a domain, the fork server and idle
+  spares warm it up at once, so workers forked later start warm.
 
-``max_stalled=0`` and ``spare_workers=0`` give the old behaviour (a hanging sample blocks its
-chunk; a killed worker is replaced when its slot is next needed): ``benchmarks/bench_grading.py
---hangs`` measures both in one run. A result that arrives twice (a worker that read ``stop_at``
+Trade-off: hanging samples that spin the CPU (SymPy) run side by side for one limit and share
+the cores with the normal samples meanwhile; ``max_stalled`` bounds how many.
+
+``max_stalled=0`` and ``spare_workers=0`` give the serial behaviour of before (a hanging sample
+blocks the rest of its chunk; a killed worker's slot waits for a new process):
+``benchmarks/bench_grading.py --hangs`` measures both in one run. A result that arrives twice (a worker that read ``stop_at``
 a moment too late) is graded twice; the first result is kept.
 
 Options given to the pool are passed to every :func:`prorl_async.rewards.grade` call; the pool
@@ -672,8 +680,10 @@ class GraderPool:
 
     def _move_aside(self, w: _Worker, j: int, queue: collections.deque) -> None:
         """``w`` has been on sample ``j`` of its chunk past ``stall_s``: if other work waits for
-        it, take back the rest of its chunk (one sample per chunk, so that several hanging
-        samples run their limits side by side) and let a spare take its active slot."""
+        it, take back the rest of its chunk and let a spare take its active slot. The rest goes
+        to the back of the queue in ``num_workers`` pieces: the chunks not started yet come
+        first, so that the hanging samples among them start (and run their limits side by
+        side) as early as possible."""
         idx = w.chunk.idx
         if not 0 <= j < len(idx):
             return
@@ -682,7 +692,8 @@ class GraderPool:
             return  # nothing waits behind it
         w.stop_after(j)
         w.chunk.idx = idx[:j + 1]
-        queue.extendleft([i] for i in reversed(rest))
+        k = max(1, math.ceil(len(rest) / self.num_workers))
+        queue.extend(rest[s:s + k] for s in range(0, len(rest), k))
         self._active.remove(w)
         self._stalled.append(w)
         self._bump("grader/stalls")
