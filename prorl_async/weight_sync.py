@@ -8,7 +8,7 @@ hanging forever (LESSONS: raw NCCL broadcasts that never return; OpenRLHF #533 a
 open-instruct #1535 on sync time: one collective per bucket, never one RPC per parameter).
 
 Protocol of one sync: rank 0 broadcasts a header ``[version, n_buckets, manifest_bytes,
-full_check]`` (float64), then the manifest (JSON ``{"params": [[name, shape, dtype], ...],
+full_check]`` (4 x float64), then the manifest (JSON ``{"params": [[name, shape, dtype], ...],
 "buckets": [params per bucket, ...]}`` as uint8), then each bucket — a flat buffer of
 same-dtype tensors in parameter order, one collective per bucket — and last the bucket
 checksums (float64). The bucket plan travels in the manifest, so a receiver needs no
@@ -17,11 +17,12 @@ no copy of the learner's layout; it checks the manifest against the layout it ex
 it has one, and a mismatch raises :class:`WeightSyncError` after draining the remaining
 collectives (the group stays usable) with the old weights left in use.
 
-The hot path is pipelined: bucket ``k`` is on the wire (an asynchronous collective, run by
-the backend's own thread) while the sender packs bucket ``k+1`` and computes its checksum,
-and while the receiver checks bucket ``k-1``; a bucket made of one contiguous tensor of the
-wire dtype is sent without a copy. The integrity check is *sampled* by default — a
-position-weighted sum over ~64K evenly spaced 32-bit words per bucket plus the bucket's word
+The hot path is pipelined: up to four buckets are on the wire at once (asynchronous
+collectives, run by the backend's own threads) while the sender packs and checks the next
+one and the receiver checks the ones that have arrived. A tensor of 1 MiB or more is a
+bucket of its own and, when contiguous and of the wire dtype, is sent in place without a
+copy; only small tensors (norms, biases) are packed. The integrity check is *sampled* by
+default — a position-weighted sum over every 251st 32-bit word of each bucket plus its word
 count, which catches a wrong layout, a shifted or truncated buffer and gross corruption at
 negligible cost (TCP and NCCL already check the bytes in transit) — and *full*, every word,
 on demand (``verify="full"``, e.g. at the first sync or in tests), still overlapped with
@@ -46,7 +47,9 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024  # small enough to pipeline, large enough to amortise a collective
+DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024  # small tensors are packed into buckets of at most this
+DIRECT_BYTES = 1 << 20  # a tensor at least this large is a bucket of its own, sent in place
+IN_FLIGHT = 4  # collectives on the wire at once
 VERIFY_MODES = ("sampled", "full")
 
 
@@ -72,14 +75,22 @@ def _nbytes(shape, dtype: torch.dtype) -> int:
     return int(torch.Size(shape).numel()) * dtype.itemsize
 
 
-def plan_buckets(shapes: Sequence[tuple[str, tuple, torch.dtype]], bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-    """Group parameters (in order) into buckets of one dtype and at most ``bucket_bytes``
-    (a single tensor larger than that is a bucket of its own)."""
+def plan_buckets(shapes: Sequence[tuple[str, tuple, torch.dtype]], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 direct_bytes: int = DIRECT_BYTES):
+    """Group parameters (in order) into buckets of one dtype and at most ``bucket_bytes``; a
+    tensor of ``direct_bytes`` or more is a bucket of its own (sent without a copy when it is
+    contiguous and already of the wire dtype)."""
     buckets: list[list[int]] = []
     cur: list[int] = []
     cur_bytes, cur_dtype = 0, None
     for i, (_, shape, dtype) in enumerate(shapes):
         nbytes = _nbytes(shape, dtype)
+        if nbytes >= direct_bytes:
+            if cur:
+                buckets.append(cur)
+                cur, cur_bytes = [], 0
+            buckets.append([i])
+            continue
         if cur and (dtype != cur_dtype or cur_bytes + nbytes > bucket_bytes):
             buckets.append(cur)
             cur, cur_bytes = [], 0
@@ -110,7 +121,7 @@ def _as_dtype(d: Union[None, str, torch.dtype]) -> Optional[torch.dtype]:
 
 _CHECKSUM_MOD = 2_147_483_647  # 2^31 - 1: values stay exact in the float64 header
 _CHUNK = 1 << 18  # words per chunk of the full checksum: int64 temporaries stay in cache
-_SAMPLES = 1 << 16  # words per bucket of the sampled checksum
+_STRIDE = 251  # the sampled checksum reads every 251st word (a prime: no alignment with row sizes)
 _WEIGHTS: dict = {}
 
 
@@ -132,15 +143,14 @@ def _checksum(flat: torch.Tensor, full: bool = True) -> float:
     The buffer is read as 32-bit words (16-bit when its size demands it); each chunk's words
     are weighted by their position in the chunk and summed in int64 (wrap-around is modular,
     so the result does not depend on summation order or device), and the chunk sums are
-    chained mod 2^31 - 1. ``full=False`` takes ~64K evenly spaced words (first and last
-    included), each weighted by its position in the buffer, plus the word count.
+    chained mod 2^31 - 1. ``full=False`` reads every 251st word and the last one (0.4% of the
+    bytes), each weighted by its position in the buffer, plus the word count.
     """
     words = _words(flat)
     n = words.numel()
     total = n % _CHECKSUM_MOD
     if not full:
-        stride = max(1, n // _SAMPLES)
-        idx = torch.arange(0, n, stride, dtype=torch.int64, device=words.device)
+        idx = torch.arange(0, n, _STRIDE, dtype=torch.int64, device=words.device)
         if n and int(idx[-1]) != n - 1:
             idx = torch.cat([idx, idx.new_tensor([n - 1])])
         s = int((words[idx].to(torch.int64) * (idx % _CHECKSUM_MOD + 1)).sum())
@@ -271,18 +281,17 @@ class WeightSyncGroup:
         manifest = torch.frombuffer(bytearray(manifest), dtype=torch.uint8).to(self.device)
         header = torch.tensor([float(version), float(len(buckets)), float(manifest.numel()), float(full)],
                               dtype=torch.float64, device=self.device)
-        self._bcast(torch.tensor([float(header.numel())], dtype=torch.float64, device=self.device))
         self._bcast(header)
         self._bcast(manifest)
-        checksums, nbytes, work = [], 0, None
-        for b in buckets:  # pack and check bucket k+1 while bucket k is on the wire
+        checksums, nbytes, inflight = [], 0, []
+        for b in buckets:  # pack and check the next bucket while earlier ones are on the wire
             flat = _pack([named[i][1] for i in b], shapes[b[0]][2], self.device)
             checksums.append(_checksum(flat, full))
             nbytes += flat.numel() * flat.element_size()
-            if work is not None:
-                self._wait(work)
-            work = self._start(flat)
-        if work is not None:
+            if len(inflight) >= IN_FLIGHT:
+                self._wait(inflight.pop(0))
+            inflight.append(self._start(flat))
+        for work in inflight:
             self._wait(work)
         self._bcast(torch.tensor(checksums or [0.0], dtype=torch.float64, device=self.device))
         self.last_seconds = time.perf_counter() - t0
@@ -301,9 +310,7 @@ class WeightSyncGroup:
         """
         assert self.rank != 0, "rank 0 sends"
         t0 = time.perf_counter()
-        size = torch.zeros(1, dtype=torch.float64, device=self.device)
-        self._bcast(size)
-        header = torch.zeros(int(size.item()), dtype=torch.float64, device=self.device)
+        header = torch.zeros(4, dtype=torch.float64, device=self.device)
         self._bcast(header)
         version, n_buckets, m_bytes, full = (int(x) for x in header[:4].tolist())
         manifest = torch.zeros(m_bytes, dtype=torch.uint8, device=self.device)
@@ -325,18 +332,18 @@ class WeightSyncGroup:
         flats = [_empty(sum(int(torch.Size(sent[i][1]).numel()) for i in b), sent[b[0]][2], self.device)
                  for b in buckets]
         got: list[float] = []
-        work = None
-        for k, flat in enumerate(flats):  # check bucket k-1 while bucket k arrives
-            nxt = self._start(flat)  # drained even after an error, so the group stays in step
-            if work is not None:
+        inflight: list = []
+        for k, flat in enumerate(flats):  # check earlier buckets while the next ones arrive
+            inflight.append((self._start(flat), flat))  # drained even after an error: the group stays in step
+            if len(inflight) > IN_FLIGHT:
+                work, done = inflight.pop(0)
                 self._wait(work)
                 if error is None:
-                    got.append(_checksum(flats[k - 1], bool(full)))
-            work = nxt
-        if work is not None:
+                    got.append(_checksum(done, bool(full)))
+        for work, done in inflight:
             self._wait(work)
             if error is None:
-                got.append(_checksum(flats[-1], bool(full)))
+                got.append(_checksum(done, bool(full)))
         expected = torch.zeros(max(1, len(buckets)), dtype=torch.float64, device=self.device)
         self._bcast(expected)
         if error is None:
