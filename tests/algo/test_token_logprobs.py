@@ -4,6 +4,7 @@ entropy, temperature, and peak memory bounded by the chunk (measured in fresh pr
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -115,8 +116,10 @@ print(json.dumps({"peak_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def _peak(n, hdim, vocab, mode) -> dict:
+    # large blocks mmapped and unmapped on free: the peak RSS is what was live, not what malloc kept
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     out = subprocess.run([sys.executable, "-c", _PEAK, str(n), str(hdim), str(vocab), mode],
-                         capture_output=True, text=True, timeout=300, check=True)
+                         capture_output=True, text=True, timeout=300, check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -129,5 +132,5 @@ def test_peak_memory_is_bounded_by_the_chunk_not_by_tokens_times_vocab():
           f"({2 * n} tokens: {longer['peak_mb']:.0f} MiB)")
     assert chunked["logp_sum"] == pytest.approx(full["logp_sum"], rel=1e-4)
     assert full["peak_mb"] > 500  # the reference holds several tokens x vocab fp32 tensors
-    assert chunked["peak_mb"] < 0.25 * full["peak_mb"]
-    assert longer["peak_mb"] < chunked["peak_mb"] + 64  # twice the tokens, about the same peak
+    assert chunked["peak_mb"] < 0.15 * full["peak_mb"]
+    assert longer["peak_mb"] < chunked["peak_mb"] + 32  # twice the tokens, about the same peak
