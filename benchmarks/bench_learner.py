@@ -1,5 +1,9 @@
 """Learner throughput: TorchLearner.train_step tokens/s and achieved FLOP/s vs measured matmul peak.
 
+``--mode packing`` instead compares, on one variable-length batch and a SmolLM2-135M-shaped
+Llama, the padded full-logits forward/backward with the packed (``learners/packing.py``) +
+chunked-logprobs (``algo/token_logprobs.py``) one; see :func:`bench_packing`.
+
 For each model size (the built-in tiny model, a mid-size and a ~50M-parameter Llama built
 locally with random weights and the project's character tokenizer) and each precision (fp32,
 bf16 autocast), times ``TorchLearner.train_step`` — the full ProRL v2 update: reward shaping,
@@ -55,6 +59,11 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
     p.add_argument("--peak-n", type=int, default=3072, help="square matmul size for the peak")
     p.add_argument("--out", type=Path, default=OUT_DIR, help="output folder")
+    p.add_argument("--mode", default="learner", choices=["learner", "packing"],
+                   help="learner: TorchLearner.train_step; packing: packed + chunked logprobs vs padded full "
+                        "logits on a SmolLM2-135M-shaped Llama (see bench_packing)")
+    p.add_argument("--micro-batch-tokens", type=int, default=1024, help="packing mode: tokens per micro-batch")
+    p.add_argument("--chunk-tokens", type=int, default=512, help="packing mode: tokens per LM-head chunk")
     return p.parse_args(argv)
 
 
@@ -154,8 +163,151 @@ def bench_one(model_dir: str, precision: str, args, table_) -> dict:
             "tok_s": tokens / dt, "flops_6nt": 6 * params * tokens / dt, "flops_8nt": 8 * params * tokens / dt}
 
 
+# SmolLM2-135M's shape: hidden, layers, intermediate, heads, kv heads, vocab (tied embeddings)
+SMOLLM2_135M = (576, 30, 1536, 9, 3, 49152)
+
+
+def variable_length_table(rows: int, plen: int, rlen: int, vocab: int, seed: int = 0):
+    """Rollout rows with prompts of ``plen`` tokens and responses of 8..``rlen`` tokens (uniform)."""
+    import random
+
+    import pyarrow as pa
+
+    from prorl_async.data.schema import rollout_batch
+
+    rng = random.Random(seed)
+    resp = [[rng.randrange(vocab) for _ in range(rng.randint(8, rlen))] for _ in range(rows)]
+    cols = {"sample_id": [f"s{i}" for i in range(rows)], "prompt_id": [f"p{i // 8}" for i in range(rows)],
+            "domain": ["math"] * rows, "prompt_ids": [[rng.randrange(vocab) for _ in range(plen)] for _ in range(rows)],
+            "response_ids": resp, "behavior_logprobs": [[-1.0] * len(r) for r in resp],
+            "policy_version": [0] * rows, "finish_reason": ["stop"] * rows, "raw_reward": [1.0] * rows,
+            "reward": [1.0] * rows, "reward_valid": [True] * rows, "response_text": [""] * rows,
+            "request_id": ["r"] * rows}
+    return pa.Table.from_batches([rollout_batch(cols)])
+
+
+def _padded_step(model, table, adv, micro_rows: int):
+    """Reference forward + policy forward/backward the way the padded learner does it: right-padded
+    rows, full-vocabulary fp32 log-softmax at every position."""
+    import torch
+
+    prompts, responses = table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist()
+    n_tok = sum(len(r) for r in responses)
+    for s in range(0, len(prompts), micro_rows):
+        ps, rs = prompts[s:s + micro_rows], responses[s:s + micro_rows]
+        S = max(len(p) + len(r) for p, r in zip(ps, rs))
+        ids = torch.zeros(len(ps), S, dtype=torch.long)
+        att = torch.zeros(len(ps), S, dtype=torch.long)
+        mask = torch.zeros(len(ps), S)
+        for i, (p, r) in enumerate(zip(ps, rs)):
+            ids[i, :len(p) + len(r)] = torch.tensor(p + r)
+            att[i, :len(p) + len(r)] = 1
+            mask[i, len(p) - 1:len(p) + len(r) - 1] = 1
+        tgt = torch.roll(ids, -1, 1)
+        a = adv[s:s + micro_rows, None]
+
+        def logp():
+            logits = model(input_ids=ids, attention_mask=att).logits.float()
+            return torch.log_softmax(logits, -1).gather(-1, tgt[..., None]).squeeze(-1)
+
+        with torch.no_grad():
+            ref = logp()  # the reference policy's forward (same weights here: FLOPs are what count)
+        loss = -((logp() - 0.0 * ref) * a * mask).sum() / n_tok
+        loss.backward()
+
+
+def _packed_step(model, table, adv, micro_batch_tokens: int, chunk_tokens: int):
+    """The same work through Arrow offsets, packed micro-batches and chunked logprobs."""
+    import torch
+
+    from prorl_async.learners.packing import pack_rollouts, packed_logprobs
+
+    mbs = pack_rollouts(table, micro_batch_tokens)
+    n_tok = sum(len(mb.targets) for mb in mbs)
+    for mb in mbs:
+        with torch.no_grad():
+            ref, _ = packed_logprobs(model, mb, chunk_tokens=chunk_tokens)
+        logp, _ = packed_logprobs(model, mb, chunk_tokens=chunk_tokens)
+        loss = -((logp - 0.0 * ref) * adv[mb.token_rows]).sum() / n_tok
+        loss.backward()
+
+
+def bench_packing(args) -> dict:
+    """Padded full-logits path vs packed + chunked-logprobs path, same batch, same model.
+
+    Model: a transformers Llama of SmolLM2-135M's shape, random init, weights held in fp32 or
+    bf16 (bf16 = the weights themselves, no autocast). One step = reference forward (no grad)
+    + policy forward + backward over all rows (no optimizer: both paths share it). FLOPs are
+    8 * N * T over the *real* tokens (prompt + response, no padding), N = all parameters (the
+    tied head counts once: it is used as the LM-head matmul).
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    h, layers, inter, heads, kv, vocab = SMOLLM2_135M
+    cfg = LlamaConfig(hidden_size=h, num_hidden_layers=layers, intermediate_size=inter, num_attention_heads=heads,
+                      num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=True,
+                      max_position_embeddings=2048, attn_implementation="sdpa")
+    table_ = variable_length_table(args.rows, args.prompt_len, args.response_len, vocab)
+    real = sum(len(p) + len(r) for p, r in zip(table_.column("prompt_ids").to_pylist(),
+                                               table_.column("response_ids").to_pylist()))
+    padded = sum(len(table_.slice(s, args.micro_batch)) * max(
+        len(p) + len(r) for p, r in zip(table_.slice(s, args.micro_batch).column("prompt_ids").to_pylist(),
+                                        table_.slice(s, args.micro_batch).column("response_ids").to_pylist()))
+        for s in range(0, args.rows, args.micro_batch))
+    adv = torch.randn(args.rows)
+    peaks = {"fp32": matmul_peak(args.peak_n, torch.float32), "bf16": matmul_peak(args.peak_n, torch.bfloat16)}
+    print(f"matmul peak ({threads} threads, n={args.peak_n}): fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, "
+          f"bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s; batch {args.rows} rows, {real} real tokens, "
+          f"{padded} padded positions", flush=True)
+    rows = []
+    for prec in args.precisions.split(","):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg).to(torch.float32 if prec == "fp32" else torch.bfloat16)
+        n_params = sum(p.numel() for p in model.parameters())
+        paths = {"padded full logits": lambda: _padded_step(model, table_, adv, args.micro_batch),
+                 "packed + chunked": lambda: _packed_step(model, table_, adv, args.micro_batch_tokens,
+                                                          args.chunk_tokens)}
+        times = {k: [] for k in paths}
+        for rep in range(args.steps + 1):  # interleaved; the first round is a warm-up
+            for name, fn in paths.items():
+                model.zero_grad(set_to_none=True)
+                t0 = time.perf_counter()
+                fn()
+                if rep:
+                    times[name].append(time.perf_counter() - t0)
+        for name in paths:
+            dt = min(times[name])
+            rows.append({"precision": prec, "path": name, "params_m": n_params / 1e6, "tokens": real,
+                         "step_s": dt, "tok_s": real / dt, "gflops_8nt": 8 * n_params * real / dt / 1e9})
+            print(f"  {prec} {name}: {dt:.2f} s, {real / dt:.0f} tok/s", flush=True)
+        del model
+    for k, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        peaks[k] = max(peaks[k], matmul_peak(args.peak_n, dt))
+    for r in rows:
+        r["peak_gflops"] = peaks[r["precision"]] / 1e9
+        r["frac_peak_8nt"] = r["gflops_8nt"] / r["peak_gflops"]
+    print()
+    print(table(rows, [("precision", "prec", "{}"), ("path", "path", "{}"), ("params_m", "params (M)", "{:.1f}"),
+                       ("tokens", "real tokens", "{:.0f}"), ("step_s", "step s", "{:.2f}"),
+                       ("tok_s", "tok/s", "{:.0f}"), ("gflops_8nt", "GFLOP/s (8NT)", "{:.1f}"),
+                       ("peak_gflops", "peak GFLOP/s", "{:.0f}"), ("frac_peak_8nt", "8NT/peak", "{:.1%}")]))
+    payload = {"benchmark": "learner-packing", "machine": machine(), "threads": threads,
+               "args": {**vars(args), "out": str(args.out)}, "peak_flops": peaks, "real_tokens": real,
+               "padded_positions": padded,
+               "formula": "8*N*T over real tokens (reference fwd + policy fwd + bwd)", "results": rows}
+    path = write_json("bench_learner_packing", payload, args.out)
+    print(f"wrote {path}")
+    return payload
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.mode == "packing":
+        return bench_packing(args)
     import torch
 
     if args.threads:

@@ -21,7 +21,10 @@ def member(rank: int, port: int, backend: str, device: str, scenario: str, q) ->
         dev = f"{device}:{rank}" if device == "cuda" else device
         if device == "cuda":
             torch.cuda.set_device(rank)
-        group = WeightSyncGroup("127.0.0.1", port, rank, 2, backend, timeout_s=5.0, device=dev)
+        wire = torch.bfloat16 if scenario == "wire_bf16" else None  # a receiver whose engine runs bf16
+        verify = "full" if scenario == "full" else "sampled"
+        group = WeightSyncGroup("127.0.0.1", port, rank, 2, backend, timeout_s=5.0, device=dev, wire_dtype=wire,
+                                verify=verify)
         if rank == 0:
             if scenario == "silent":  # never sends: the receiver must time out, not hang
                 time.sleep(8)
@@ -29,16 +32,18 @@ def member(rank: int, port: int, backend: str, device: str, scenario: str, q) ->
                 return
             for version, seed in ((1, 1), (2, 2)):
                 weights = named(seed, dev, extra=(scenario == "mismatch" and version == 1))
-                group.send(weights, version)
-            q.put(("sender", tensor_checksum([t for _, t in named(2, dev)])))
+                info = group.send(weights, version, bucket_bytes=1024)  # several buckets: the pipelined path
+            sent = [t.to(wire) if wire is not None and t.is_floating_point() else t for _, t in named(2, dev)]
+            q.put(("sender", (tensor_checksum(sent), info["perf/sync_gb"])))
         else:
-            expect = [(n, tuple(t.shape), t.dtype) for n, t in named(0, dev)]
+            expect = [(n, tuple(t.shape), wire or t.dtype) for n, t in named(0, dev)]
             results = []
             for _ in range(2):
                 t0 = time.time()
                 try:
                     version, got = group.receive(expect)
-                    results.append(("ok", version, tensor_checksum([t for _, t in got])))
+                    results.append(("ok", version, tensor_checksum([t for _, t in got]),
+                                    [str(t.dtype) for _, t in got], group.last_bytes))
                 except WeightSyncError as e:
                     results.append(("refused", str(e), time.time() - t0))
                 if scenario == "silent":

@@ -34,12 +34,25 @@ def _run(scenario: str, backend: str = "gloo", device: str = "cpu", timeout: flo
 
 
 @pytest.mark.distributed
-def test_versioned_broadcast_arrives_bit_exact():
-    out = _run("ok")
-    (s1, v1, c1), (s2, v2, c2) = out["receiver"]
+@pytest.mark.parametrize("scenario", ["ok", "full"])
+def test_versioned_broadcast_arrives_bit_exact(scenario):
+    out = _run(scenario)  # sampled integrity check (default) and the full one
+    (s1, v1, c1, d1, _), (s2, v2, c2, _, _) = out["receiver"]
     assert (s1, v1, s2, v2) == ("ok", 1, "ok", 2)
-    assert c1 == tensor_checksum([t for _, t in named(1)]) and c2 == out["sender"]
+    assert c1 == tensor_checksum([t for _, t in named(1)]) and c2 == out["sender"][0]
     assert c1 != c2
+    assert d1 == ["torch.float32", "torch.float32", "torch.bfloat16"]  # dtypes as sent: nothing announced
+
+
+@pytest.mark.distributed
+def test_receiver_announcing_bf16_gets_bf16_on_the_wire():
+    out = _run("wire_bf16")
+    (s1, v1, c1, d1, nbytes), (s2, _, c2, _, _) = out["receiver"]
+    assert (s1, s2, v1) == ("ok", "ok", 1)
+    assert d1 == ["torch.bfloat16"] * 3
+    # the same bits as casting the fp32 weights on arrival, in half the fp32 bytes
+    assert c1 == tensor_checksum([t.bfloat16() for _, t in named(1)]) and c2 == out["sender"][0]
+    assert nbytes == sum(t.numel() * 2 for _, t in named(1)) and out["sender"][1] * 1e9 == nbytes
 
 
 @pytest.mark.distributed
@@ -47,7 +60,7 @@ def test_update_for_a_different_model_is_refused_and_the_group_stays_usable():
     out = _run("mismatch")
     first, second = out["receiver"]
     assert first[0] == "refused" and "models differ" in first[1] and "version 1 discarded" in first[1]
-    assert second[0] == "ok" and second[1] == 2 and second[2] == out["sender"]  # the next sync still works
+    assert second[0] == "ok" and second[1] == 2 and second[2] == out["sender"][0]  # the next sync still works
 
 
 @pytest.mark.distributed
@@ -72,4 +85,19 @@ def test_nccl_broadcast_between_two_gpus():
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs (NCCL needs one device per rank)")
     out = _run("ok", backend="nccl", device="cuda")
-    assert [r[0] for r in out["receiver"]] == ["ok", "ok"] and out["receiver"][1][2] == out["sender"]
+    assert [r[0] for r in out["receiver"]] == ["ok", "ok"] and out["receiver"][1][2] == out["sender"][0]
+
+
+def test_sampled_checksum_catches_layout_errors_and_the_full_one_a_single_flipped_bit():
+    from prorl_async.weight_sync import _checksum
+
+    x = torch.randn(1_000_003)
+    assert _checksum(x, full=False) == _checksum(x.clone(), full=False)
+    shifted = torch.cat([x[1:], x[:1]])
+    assert _checksum(shifted, full=False) != _checksum(x, full=False)  # a shifted buffer
+    assert _checksum(x[:-1], full=False) != _checksum(x, full=False)  # a truncated one
+    assert _checksum(x.bfloat16(), full=False) != _checksum(x.bfloat16()[torch.randperm(x.numel())], full=False)
+    flipped = x.clone()
+    flipped.view(torch.int32)[123_457] ^= 1  # one bit of one word that the sample skips
+    assert _checksum(flipped, full=False) == _checksum(x, full=False)
+    assert _checksum(flipped, full=True) != _checksum(x, full=True)

@@ -12,7 +12,9 @@ sources and lists where the code deviates from them:
 * :mod:`~prorl_async.algo.shaping` -- scheduled cosine length reward (Yeo et al. 2025),
   DAPO overlong filtering / soft punishment;
 * :mod:`~prorl_async.algo.sampling` -- DAPO dynamic sampling;
-* :mod:`~prorl_async.algo.reference` -- ProRL reference-policy resets.
+* :mod:`~prorl_async.algo.reference` -- ProRL reference-policy resets;
+* :mod:`~prorl_async.algo.token_logprobs` -- token logprobs / entropy from hidden states and
+  the LM head in token chunks (never the tokens x vocab fp32 logits).
 """
 
 from .advantages import (
@@ -44,6 +46,7 @@ from .shaping import (
     shape_rewards,
     soft_overlong_penalty,
 )
+from .token_logprobs import token_logprobs
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -69,6 +72,7 @@ __all__ = [
     "rloo",
     "shape_rewards",
     "soft_overlong_penalty",
+    "token_logprobs",
     "whiten",
     "whitening_stats",
 ]

@@ -74,7 +74,8 @@ class HFEngine:
 
     def init_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
                          timeout_s: float = 120.0) -> bool:
-        self._sync = WeightSyncGroup(host, port, rank, world_size, backend, timeout_s)
+        dtype = next(t.dtype for _, t in self.named_tensors() if t.is_floating_point())
+        self._sync = WeightSyncGroup(host, port, rank, world_size, backend, timeout_s, wire_dtype=dtype)
         return True
 
     def receive_weights(self) -> dict:

@@ -34,8 +34,10 @@ class WeightSyncWorkerExtension:
         """Join the weight-sync group as rank ``base_rank + <this worker's TP rank>``."""
         rank = base_rank + int(getattr(self, "rank", 0))
         device = "cpu" if backend == "gloo" else str(self.device)
-        self._prorl_sync = WeightSyncGroup(host, port, rank, world_size, backend, timeout_s, device=device)
         self._prorl_expected = [(n, tuple(s), getattr(torch, dt)) for n, s, dt in manifest]
+        wire = next((dt for _, _, dt in self._prorl_expected if dt.is_floating_point), None)
+        self._prorl_sync = WeightSyncGroup(host, port, rank, world_size, backend, timeout_s, device=device,
+                                           wire_dtype=wire)  # the sender casts to the engine's dtype
         self._prorl_staged = None
         self._prorl_version = 0
         self._prorl_checksum = checksum  # of the weights in use, in checkpoint (HF) layout

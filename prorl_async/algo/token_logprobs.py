@@ -1,0 +1,127 @@
+"""Per-token logprobs (and entropy) from hidden states and the LM head, chunked over tokens.
+
+``log softmax(h W^T / T)[target]`` for every token without ever holding the
+``tokens x vocab`` fp32 logits: a custom autograd function computes the logits of
+``chunk_tokens`` tokens at a time, keeps only ``logsumexp`` per token (and the entropy), and
+recomputes each chunk's logits in the backward pass. Peak memory is a few
+``chunk_tokens x vocab`` fp32 buffers plus one fp32 gradient of the head weight, independent
+of the number of tokens. This is the "fused / chunked linear cross-entropy" idea of Liger
+Kernel's ``LigerFusedLinearCrossEntropy`` and of Cut Cross-Entropy (Wijmans et al. 2024,
+arXiv:2411.09009), applied to RL token logprobs (the ProRL / PPO loss needs logprobs and
+entropy of the sampled tokens, never the distribution itself).
+
+Numerics follow the unchunked reference ``log_softmax((h @ W.T).float() / T)``: the matmul
+runs in the inputs' dtype (bf16 stays bf16), softmax statistics in fp32, and the gradient of
+the logits is cast back to the inputs' dtype before the two backward matmuls, as autograd
+does for the reference. Deviation: the head-weight gradient is accumulated over chunks in
+fp32 and cast once, which is at least as accurate as the reference's single bf16 matmul.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from prorl_async.algo._checks import check_shape
+
+
+def _chunk_stats(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], temperature: float):
+    z = h @ weight.t()
+    if bias is not None:
+        z = z + bias
+    z = z.float()
+    if temperature != 1.0:
+        z = z / temperature
+    return z
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_tokens, with_entropy):
+        n = hidden.shape[0]
+        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        ent = torch.empty(n, dtype=torch.float32, device=hidden.device) if with_entropy else None
+        with torch.no_grad():
+            for s in range(0, n, chunk_tokens):
+                e = min(n, s + chunk_tokens)
+                z = _chunk_stats(hidden[s:e], weight, bias, temperature)
+                lse_c = torch.logsumexp(z, dim=-1)
+                lse[s:e] = lse_c
+                logp[s:e] = z.gather(-1, targets[s:e, None]).squeeze(-1) - lse_c
+                if with_entropy:
+                    z.sub_(lse_c[:, None])  # log p, in place: one chunk buffer
+                    ent[s:e] = -(z.exp() * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
+        ctx.temperature, ctx.chunk_tokens, ctx.with_entropy = temperature, chunk_tokens, with_entropy
+        return logp, (ent if with_entropy else torch.empty(0, device=hidden.device))
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
+        temperature, chunk = ctx.temperature, ctx.chunk_tokens
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        n = hidden.shape[0]
+        g_h = torch.empty_like(hidden) if need_h else None
+        g_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        g_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
+        use_ent = ctx.with_entropy and g_ent is not None and g_ent.numel() > 0
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            with torch.no_grad():
+                z = _chunk_stats(hidden[s:e], weight, bias, temperature)
+                z.sub_(lse[s:e, None])  # log p
+                p = z.exp()
+                # d logp_target / dz = onehot - p ; d H / dz = -p (log p + H)
+                if use_ent:
+                    gz = z.add_(ent[s:e, None]).mul_(p).mul_(-g_ent[s:e, None])
+                    gz.sub_(p * g_logp[s:e, None])
+                else:
+                    gz = p.mul_(-g_logp[s:e, None])
+                gz.scatter_add_(-1, targets[s:e, None], g_logp[s:e, None])
+                if temperature != 1.0:
+                    gz.div_(temperature)
+                if g_b is not None:
+                    g_b += gz.sum(0)
+                gz = gz.to(hidden.dtype)
+                if need_h:
+                    g_h[s:e] = gz @ weight
+                if need_w:
+                    g_w.addmm_(gz.t().float() if gz.dtype != torch.float32 else gz.t(), hidden[s:e].float())
+        return (g_h, g_w.to(weight.dtype) if need_w else None, g_b.to(bias.dtype) if need_b else None,
+                None, None, None, None)
+
+
+def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                   bias: Optional[torch.Tensor] = None, temperature: float = 1.0, chunk_tokens: int = 1024,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Logprob of ``targets`` (and the entropy) under ``softmax((hidden @ weight.T + bias) / temperature)``.
+
+    hidden: ``[..., H]`` final hidden states (after the model's last norm), any float dtype.
+    weight: ``[V, H]`` LM-head weight (the embedding when tied), same dtype as ``hidden``.
+    targets: ``[...]`` int token ids (the *next* token of each position), same leading shape.
+    bias: optional ``[V]`` head bias. temperature: the sampling temperature (logits / T).
+    chunk_tokens: tokens whose ``[chunk, V]`` fp32 logits exist at once (memory bound).
+    with_entropy: also return the per-token entropy (differentiable), else ``None``.
+
+    Returns ``(logprobs, entropy)``, float32 tensors of the leading shape. Differentiable in
+    ``hidden``, ``weight`` and ``bias``; the backward pass recomputes each chunk's logits.
+    """
+    fn = "token_logprobs"
+    if hidden.shape[-1] != weight.shape[-1] or weight.dim() != 2:
+        raise ValueError(f"{fn}: `weight` must be [V, {hidden.shape[-1]}] (the LM head), got {list(weight.shape)}")
+    check_shape(fn, "targets", targets, hidden.shape[:-1])
+    if chunk_tokens <= 0:
+        raise ValueError(f"{fn}: `chunk_tokens` must be positive, got {chunk_tokens}")
+    if temperature <= 0:
+        raise ValueError(f"{fn}: `temperature` must be positive, got {temperature}")
+    lead = hidden.shape[:-1]
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = targets.reshape(-1).long()
+    if weight.dtype != h.dtype:
+        raise ValueError(f"{fn}: `hidden` is {h.dtype} and `weight` {weight.dtype}; cast one (autocast is not "
+                         "applied inside the chunked head)")
+    logp, ent = _ChunkedTokenLogprobs.apply(h, weight, bias, t, float(temperature), int(chunk_tokens),
+                                            bool(with_entropy))
+    return logp.reshape(lead), (ent.reshape(lead) if with_entropy else None)

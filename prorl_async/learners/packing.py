@@ -1,0 +1,187 @@
+"""Arrow-native learner input and sequence packing: rollout rows -> padding-free micro-batches.
+
+Three pure steps, none of which builds a Python list per token:
+
+1. :func:`list_column` reads a ``list<...>`` column of the rollout table (``prompt_ids``,
+   ``response_ids``, ``behavior_logprobs``) as ``(values, offsets)`` numpy arrays straight
+   from Arrow's buffers (zero-copy for a single-chunk column); display columns such as
+   ``response_text`` are never touched.
+2. :func:`plan_micro_batches` assigns rows to micro-batches of at most
+   ``micro_batch_tokens`` prompt+response tokens (first-fit decreasing), like OpenRLHF's
+   ``packing_samples`` and verl's dynamic batch size (``use_dynamic_bsz`` /
+   ``ppo_max_token_len_per_gpu``).
+3. :func:`pack_micro_batch` concatenates the chosen sequences into one row without padding:
+   ``position_ids`` restart at 0 for every sequence, which is how transformers (>= 4.56,
+   ``masking_utils.find_packed_sequence_indices``) detects packed sequences when no
+   ``attention_mask`` is given and keeps attention inside each sequence (a block-diagonal
+   causal mask for sdpa / eager, varlen kernels for flash attention).
+
+:func:`packed_logprobs` runs an HF causal LM on a packed micro-batch and computes the
+response tokens' logprobs (and entropy) with :func:`prorl_async.algo.token_logprobs.token_logprobs`
+on the response positions only, so neither padding nor prompt positions reach the LM head.
+Token tensors of a micro-batch are *response-token aligned*: entry ``k`` is response token
+``k`` of the micro-batch, in row order; ``token_rows`` maps it to its table row, so per-row
+values (advantages, rewards) broadcast with ``per_row[mb.token_rows]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+LEARNER_LIST_COLUMNS = ("prompt_ids", "response_ids", "behavior_logprobs")
+
+
+def list_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(values, offsets)`` of list column ``name``: row ``i`` is ``values[offsets[i]:offsets[i+1]]``.
+
+    ``offsets`` has ``num_rows + 1`` entries (int64, starting anywhere: a sliced table keeps
+    its parent's buffers). Zero-copy when the column is one chunk without nulls.
+    """
+    if name not in table.column_names:
+        raise KeyError(f"rollout table has no column {name!r} (columns: {table.column_names})")
+    col = table.column(name)
+    arr = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+    if not (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)):
+        raise TypeError(f"rollout column {name!r} must be a list column, got {arr.type}")
+    if arr.null_count:
+        raise ValueError(f"rollout column {name!r} has {arr.null_count} null rows; every sample needs a list "
+                         "(empty for none)")
+    offsets = np.asarray(arr.offsets).astype(np.int64, copy=False)
+    values = arr.values.to_numpy(zero_copy_only=arr.values.null_count == 0)
+    return values, offsets
+
+
+def plan_micro_batches(seq_lens: np.ndarray, micro_batch_tokens: int) -> list[np.ndarray]:
+    """Rows grouped into micro-batches of at most ``micro_batch_tokens`` tokens each.
+
+    seq_lens: ``[n_rows]`` prompt+response length of every row. First-fit decreasing, so
+    micro-batches come out nearly full; each returned array holds row indices in ascending
+    order, and every row appears exactly once.
+    """
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    if micro_batch_tokens <= 0:
+        raise ValueError(f"train.micro_batch_tokens must be positive, got {micro_batch_tokens}")
+    if seq_lens.size and int(seq_lens.max()) > micro_batch_tokens:
+        raise ValueError(f"a sequence of {int(seq_lens.max())} tokens does not fit train.micro_batch_tokens="
+                         f"{micro_batch_tokens}; raise it to at least max prompt + response length")
+    order = np.argsort(-seq_lens, kind="stable")
+    free: list[int] = []
+    members: list[list[int]] = []
+    for row in order.tolist():  # one Python step per row, none per token
+        n = int(seq_lens[row])
+        for b, room in enumerate(free):
+            if room >= n:
+                free[b] -= n
+                members[b].append(row)
+                break
+        else:
+            free.append(micro_batch_tokens - n)
+            members.append([row])
+    return [np.sort(np.asarray(m, dtype=np.int64)) for m in members]
+
+
+@dataclass
+class PackedMicroBatch:
+    """One padding-free micro-batch of ``S`` sequences, ``N`` tokens, ``M`` response tokens.
+
+    input_ids, position_ids: ``[1, N]`` int64, sequences back to back; positions restart at 0.
+    cu_seqlens: ``[S + 1]`` int32 sequence boundaries in the packed row (flash-attn varlen style).
+    rows: ``[S]`` int64 table rows of the sequences, ascending.
+    loss_index: ``[M]`` int64 packed positions whose next token is a response token.
+    targets: ``[M]`` int64 the response tokens (``input_ids[0, loss_index + 1]``).
+    token_rows: ``[M]`` int64 table row of each response token.
+    behavior_logprobs: ``[M]`` float32 engine logprobs of the response tokens (or None).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    rows: torch.Tensor
+    loss_index: torch.Tensor
+    targets: torch.Tensor
+    token_rows: torch.Tensor
+    behavior_logprobs: Optional[torch.Tensor]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    def to(self, device) -> "PackedMicroBatch":
+        return PackedMicroBatch(*[None if t is None else t.to(device) for t in (
+            self.input_ids, self.position_ids, self.cu_seqlens, self.rows, self.loss_index, self.targets,
+            self.token_rows, self.behavior_logprobs)])
+
+
+def pack_micro_batch(prompt: tuple[np.ndarray, np.ndarray], response: tuple[np.ndarray, np.ndarray],
+                     rows: np.ndarray, behavior: Optional[tuple[np.ndarray, np.ndarray]] = None
+                     ) -> PackedMicroBatch:
+    """Pack ``rows`` of the ``(values, offsets)`` columns (from :func:`list_column`) into one row.
+
+    ``behavior`` (response-aligned, same offsets layout as ``response``) is gathered with the
+    response tokens. Every prompt must have at least one token (it predicts the first response
+    token). Vectorised: numpy index arithmetic over all tokens at once.
+    """
+    (pv, po), (rv, ro) = prompt, response
+    rows = np.asarray(rows, dtype=np.int64)
+    p_start, plen = po[rows], po[rows + 1] - po[rows]
+    r_start, rlen = ro[rows], ro[rows + 1] - ro[rows]
+    if rows.size and int(plen.min()) < 1:
+        raise ValueError("every rollout row needs a non-empty prompt_ids (its last token predicts the first "
+                         "response token)")
+    seq = plen + rlen
+    starts = np.zeros(rows.size + 1, dtype=np.int64)
+    np.cumsum(seq, out=starts[1:])
+    n = int(starts[-1])
+    seg = np.repeat(np.arange(rows.size), seq)
+    pos = np.arange(n, dtype=np.int64) - starts[seg]
+    in_prompt = pos < plen[seg]
+    resp = ~in_prompt
+    ids = np.empty(n, dtype=np.int64)
+    ids[in_prompt] = pv[(p_start[seg] + pos)[in_prompt]]
+    r_idx = (r_start[seg] + pos - plen[seg])[resp]  # response tokens in row order
+    ids[resp] = rv[r_idx]
+    loss_index = np.flatnonzero(resp) - 1
+    beh = None
+    if behavior is not None:
+        bv, bo = behavior
+        if not np.array_equal(bo[rows + 1] - bo[rows], rlen):
+            raise ValueError("behavior_logprobs must have one entry per response token")
+        beh = torch.from_numpy(bv[(bo[rows][seg] + pos - plen[seg])[resp]].astype(np.float32, copy=False))
+    return PackedMicroBatch(
+        input_ids=torch.from_numpy(ids)[None], position_ids=torch.from_numpy(pos)[None],
+        cu_seqlens=torch.from_numpy(starts.astype(np.int32)), rows=torch.from_numpy(rows.copy()),
+        loss_index=torch.from_numpy(loss_index), targets=torch.from_numpy(ids[resp]),
+        token_rows=torch.from_numpy(rows[seg[resp]]), behavior_logprobs=beh)
+
+
+def pack_rollouts(table: pa.Table, micro_batch_tokens: int) -> list[PackedMicroBatch]:
+    """The rollout table's ``prompt_ids`` / ``response_ids`` / ``behavior_logprobs`` as
+    padding-free micro-batches of at most ``micro_batch_tokens`` tokens (see module docstring)."""
+    prompt, response = list_column(table, "prompt_ids"), list_column(table, "response_ids")
+    behavior = list_column(table, "behavior_logprobs") if "behavior_logprobs" in table.column_names else None
+    seq_lens = np.diff(prompt[1]) + np.diff(response[1])
+    return [pack_micro_batch(prompt, response, rows, behavior)
+            for rows in plan_micro_batches(seq_lens, micro_batch_tokens)]
+
+
+def packed_logprobs(model, mb: PackedMicroBatch, *, temperature: float = 1.0, chunk_tokens: int = 1024,
+                    with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Logprobs ``[M]`` (and entropy ``[M]``) of ``mb``'s response tokens under an HF causal LM.
+
+    Runs the decoder body (``model.model``) on the packed row with ``position_ids`` and no
+    attention mask (transformers then keeps attention within each sequence), picks the
+    hidden states of the response positions and applies the LM head in chunks
+    (:func:`~prorl_async.algo.token_logprobs.token_logprobs`); float32, differentiable.
+    """
+    from prorl_async.algo.token_logprobs import token_logprobs
+
+    hidden = model.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).last_hidden_state
+    head = model.get_output_embeddings()
+    h = hidden[0].index_select(0, mb.loss_index)
+    return token_logprobs(h, head.weight, mb.targets, bias=head.bias, temperature=temperature,
+                          chunk_tokens=chunk_tokens, with_entropy=with_entropy)
