@@ -181,7 +181,7 @@ def variable_length_table(rows: int, plen: int, rlen: int, vocab: int, seed: int
             "domain": ["math"] * rows, "prompt_ids": [[rng.randrange(vocab) for _ in range(plen)] for _ in range(rows)],
             "response_ids": resp, "behavior_logprobs": [[-1.0] * len(r) for r in resp],
             "policy_version": [0] * rows, "finish_reason": ["stop"] * rows, "raw_reward": [1.0] * rows,
-            "reward": [1.0] * rows, "reward_valid": [True] * rows, "response_text": [""] * rows,
+            "reward_valid": [True] * rows, "response_text": [""] * rows,
             "request_id": ["r"] * rows}
     return pa.Table.from_batches([rollout_batch(cols)])
 

@@ -28,7 +28,7 @@ def test_list_column_reads_arrow_offsets_for_chunked_and_sliced_tables():
     with pytest.raises(KeyError, match="no column 'nope'"):
         list_column(t, "nope")
     with pytest.raises(TypeError, match="must be a list column"):
-        list_column(t, "reward")
+        list_column(t, "raw_reward")
 
 
 def test_plan_fills_micro_batches_by_tokens_and_keeps_every_row_once():
