@@ -12,7 +12,9 @@ sources and lists where the code deviates from them:
 * :mod:`~prorl_async.algo.shaping` -- scheduled cosine length reward (Yeo et al. 2025),
   DAPO overlong filtering / soft punishment;
 * :mod:`~prorl_async.algo.sampling` -- DAPO dynamic sampling;
-* :mod:`~prorl_async.algo.reference` -- ProRL reference-policy resets.
+* :mod:`~prorl_async.algo.reference` -- ProRL reference-policy resets;
+* :mod:`~prorl_async.algo.mismatch` -- training/inference logprob mismatch (k3 KL, |delta logprob|,
+  importance-weight band), measured every step.
 """
 
 from .advantages import (
@@ -34,6 +36,7 @@ from .losses import (
     masked_mean,
     policy_loss,
 )
+from .mismatch import mismatch, mismatch_metrics, mismatch_stats
 from .reference import RESET_CAUSES, ReferenceResetPolicy
 from .sampling import DynamicSamplingCollector, informative_groups
 from .shaping import (
@@ -64,6 +67,9 @@ __all__ = [
     "kl_penalty",
     "logprobs_from_logits",
     "masked_mean",
+    "mismatch",
+    "mismatch_metrics",
+    "mismatch_stats",
     "policy_loss",
     "reinforce_pp_baseline",
     "rloo",
