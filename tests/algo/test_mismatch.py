@@ -28,12 +28,12 @@ def test_by_hand_two_tokens_and_padding():
     beh = torch.tensor([[-1.0, -1.0, NAN]])
     learner = torch.tensor([[-1.0 + LN2, -1.0 - LN2, NAN]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    m = mismatch(learner, beh, mask, is_low=0.6, is_high=2.0)
+    m = mismatch(learner, beh, mask, is_low=0.6, is_high=2.01)
     assert m["mismatch/tokens"] == 2
     assert m["mismatch/kl_k3"] == pytest.approx(((1 - LN2) + (LN2 - 0.5)) / 2, abs=1e-6)  # = 0.25 (fp32 inputs)
     assert m["mismatch/logprob_abs_diff_mean"] == pytest.approx(LN2, abs=1e-6)
     assert m["mismatch/logprob_abs_diff_max"] == pytest.approx(LN2, abs=1e-6)
-    # w = 2 is inside [0.6, 2] (the band is closed), w = 0.5 is below 0.6
+    # w = 2 is inside [0.6, 2.01], w = 0.5 is below 0.6
     assert m["mismatch/is_outside_frac"] == pytest.approx(0.5)
     m = mismatch(learner, beh, mask, is_low=0.0, is_high=1.5)  # now w = 2 is above, w = 0.5 inside
     assert m["mismatch/is_outside_frac"] == pytest.approx(0.5)
