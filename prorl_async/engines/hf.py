@@ -74,7 +74,9 @@ class HFEngine:
 
     def init_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
                          timeout_s: float = 120.0) -> bool:
-        self._sync = WeightSyncGroup(host, port, rank, world_size, backend, timeout_s)
+        # received buffers live where the backend moves them (NCCL: this engine's GPU), then load into the model
+        device = str(self.device) if backend == "nccl" else "cpu"
+        self._sync = WeightSyncGroup(host, port, rank, world_size, backend, timeout_s, device=device)
         return True
 
     def receive_weights(self) -> dict:

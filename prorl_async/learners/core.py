@@ -23,7 +23,8 @@ Per step (DESIGN.md section 1; formulas in :mod:`prorl_async.algo`):
    (``policy_version`` = learner version), ``mismatch/all_*`` over all tokens;
 7. reference reset on interval / KL spike / validation stall.
 
-What the core needs from a learner (``ops``): ``model`` (the module to call), ``micro``
+What the core needs from a learner (``ops``): ``policy`` (the module to call), ``device``,
+``autocast``, ``micro``
 (micro-batch rows), ``zero_grad()``, ``backward(loss)``, ``finish_update(finite) ->
 (applied, grad_norm)`` and ``reduce(tensor, op)`` (identity on one process); the torch
 learner owns AdamW and clipping, the DeepSpeed learner its engine, ZeRO and checkpoint.
@@ -140,6 +141,12 @@ def shard_groups(table: pa.Table, rank: int, world_size: int) -> pa.Table:
                          "ranks: lower train.num_learners or raise train.prompts_per_step")
     mine = {g for i, g in enumerate(groups) if i % world_size == rank}
     return table.filter(pa.array([p in mine for p in pids.tolist()]))
+
+
+def sync_device(backend: str, device) -> str:
+    """Where weight-sync buffers live: the learner's / engine's CUDA device for NCCL (which only
+    moves CUDA tensors), CPU for gloo."""
+    return str(device) if backend == "nccl" else "cpu"
 
 
 # ---------------------------------------------------------------------- forward
@@ -264,7 +271,7 @@ class LearnerCore:
         counts = o.reduce(torch.tensor([-(-(s.stop - s.start) // mbs) for s in slices] + [-(-n // mbs)],
                                        dtype=torch.float64), "max").long().tolist()
         multi = t.mini_batches * t.ppo_epochs > 1
-        old_all = self.no_grad_logprobs(o.model, b, counts[-1]) if multi else None
+        old_all = self.no_grad_logprobs(o.policy, b, counts[-1]) if multi else None
         ref_all = self.no_grad_logprobs(ref_model, b) if a.kl_coef > 0 else None
         start_lp = old_all.clone() if multi else torch.zeros_like(mask)  # start-of-step logprobs
         seen = torch.full((n,), multi, dtype=torch.bool)
@@ -281,7 +288,7 @@ class LearnerCore:
                     dummy = rows.start >= rows.stop  # this rank has fewer rows: a zero-gradient pass
                     if dummy:
                         rows = slice(0, 1)
-                    logp, ent = self._logprobs(o.model, b, rows, with_entropy=True)
+                    logp, ent = self._logprobs(o.policy, b, rows, with_entropy=True)
                     mk = mask[rows].to(logp.device) * (0.0 if dummy else 1.0)
                     if not dummy and not multi:
                         start_lp[rows] = logp.detach().to(start_lp.device)

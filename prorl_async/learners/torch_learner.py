@@ -54,6 +54,7 @@ class TorchLearner:
         self.autocast = cfg.model.autocast_bf16 and (self.device.type == "cuda" or cpu_has_bf16())
         self.micro = t.micro_batch_size
         self.run_all_micro_batches = False  # one process: a non-finite micro-batch ends the mini-batch
+        self.policy = self.model
         self.core = LearnerCore(cfg, self)
 
     # ------------------------------------------------------------------ what the core calls
