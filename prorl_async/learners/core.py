@@ -339,6 +339,8 @@ class LearnerCore:
         beh = b["behavior_logprobs"]
         resp = b["response_mask"] * seen[:, None].float()
         lp = torch.where(resp > 0, learner_lp.float().to(beh.device), torch.zeros_like(beh))
+        resp = resp * lp.isfinite().all(dim=1)[:, None].float()  # a NaN forward skips the step; not measured
+        lp = torch.nan_to_num(lp, nan=0.0, posinf=0.0, neginf=0.0)
         current = (b["policy_version"] == version)[:, None].float()
         out = {}
         for prefix, m in (("mismatch/", resp * current), ("mismatch/all_", resp)):
