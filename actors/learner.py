@@ -119,7 +119,9 @@ class LearnerGroup:
             if k in _SAME_ON_EVERY_RANK or not k.startswith(("actor/", "is/", "kl/", "len/", "async/")):
                 continue
             pairs = [(r[k], wr) for r, wr in zip(results, w) if isinstance(r.get(k), (int, float))]
-            if pairs:  # per-rank token means -> token mean of the whole batch
+            if pairs and k.endswith("_max"):
+                merged[k] = float(max(v for v, _ in pairs))
+            elif pairs:  # per-rank token means -> token mean of the whole batch
                 merged[k] = float(sum(v * wr for v, wr in pairs) / max(sum(wr for _, wr in pairs), 1e-12))
         merged["perf/train_valid_tokens"] = float(sum(tokens))
         merged["perf/num_learners"] = float(self.n)
