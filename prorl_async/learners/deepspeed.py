@@ -59,11 +59,14 @@ def _base_optimizer(opt):
 
 def ensure_process_group(rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1",
                          master_port: int = 0, backend: str = "gloo") -> None:
-    """The learners' own torch.distributed world (separate from the weight-sync group)."""
+    """The learners' own torch.distributed world (separate from the weight-sync group). An explicit
+    ``master_port`` wins over an inherited ``MASTER_PORT`` (a parent's world, whose port is taken)."""
     if dist.is_initialized():
         return
+    if master_port:
+        os.environ.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
     os.environ.setdefault("MASTER_ADDR", master_addr)
-    os.environ.setdefault("MASTER_PORT", str(master_port or free_port(master_addr)))
+    os.environ.setdefault("MASTER_PORT", str(free_port(master_addr)))
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
                        "LOCAL_WORLD_SIZE": "1"})
     import deepspeed
