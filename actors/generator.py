@@ -37,7 +37,8 @@ class GeneratorActor:
         self.engine = make_engine(r.engine, model_path, dtype=cfg.model.dtype, seed=r.seed * 7919 + index,
                                   tensor_parallel_size=r.tensor_parallel_size,
                                   inflight_weight_updates=r.inflight_weight_updates,
-                                  gpu_memory_utilization=r.gpu_memory_utilization)
+                                  gpu_memory_utilization=r.gpu_memory_utilization,
+                                  device="cuda" if r.generator_num_gpus > 0 else "cpu")  # the GPU Ray reserved
         self.tokenizer = self.engine.tokenizer
         self._requests = 0
 

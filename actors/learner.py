@@ -9,6 +9,7 @@ import ray
 import torch
 
 from prorl_async.learners.files import load_learner, write_learner
+from prorl_async.learners.core import shard_groups, sync_device
 from prorl_async.learners.torch_learner import TorchLearner
 from prorl_async.weight_sync import WeightSyncGroup, free_port, tensor_checksum
 
@@ -44,11 +45,16 @@ class LearnerActor:
         return host, (self.cfg.ray.weight_sync_port + epoch - 1) if self.cfg.ray.weight_sync_port else free_port(host)
 
     def init_weight_sync(self, host: str, port: int, world_size: int, backend: str) -> bool:
-        self._sync = WeightSyncGroup(host, port, 0, world_size, backend, self.cfg.train.sync_timeout_s)
+        self._sync = WeightSyncGroup(host, port, 0, world_size, backend, self.cfg.train.sync_timeout_s,
+                                     device=sync_device(backend, self.learner.device))
         return True
 
     def train_step(self, table, step: int) -> dict:
         return self.learner.train_step(table, step)
+
+    def train_shard(self, table, step: int, world_size: int) -> dict:
+        """Train on this rank's groups of the whole batch (read from the object store, zero-copy)."""
+        return self.learner.train_step(shard_groups(table, self.rank, world_size), step)
 
     def broadcast_weights(self) -> dict:
         named = self.learner.named_tensors()  # a collective under ZeRO-3: every rank calls it
@@ -76,6 +82,10 @@ class LearnerActor:
         return load_learner(self.learner, path)
 
 
+_SAME_ON_EVERY_RANK = {"actor/grad_norm", "actor/lr", "actor/updates", "actor/skipped_updates",
+                       "is/nonfinite_behavior_samples"}
+
+
 @ray.remote
 class LearnerGroup:
     """``n`` data-parallel learner actors; each trains on whole groups (prompt ids) of the batch."""
@@ -95,19 +105,26 @@ class LearnerGroup:
     def init_weight_sync(self, host: str, port: int, world_size: int, backend: str) -> bool:
         return ray.get(self.members[0].init_weight_sync.remote(host, port, world_size, backend))
 
-    def train_step(self, table, step: int) -> dict:
-        import numpy as np
-
-        pids = np.asarray(table.column("prompt_id").to_pylist())
-        groups = sorted(set(pids.tolist()))
-        shard_of = {g: i % self.n for i, g in enumerate(groups)}
-        shards = [table.filter(np.array([shard_of[p] == r for p in pids])) for r in range(self.n)]
-        results = ray.get([m.train_step.remote(s, step) for m, s in zip(self.members, shards)])
-        merged = dict(results[0])  # global quantities (whitening, token counts) are all-reduced already
+    def train_step(self, batch, step: int) -> dict:
+        """``batch``: ``[ObjectRef]`` of the batch table (preferred: the bytes never pass through
+        this actor), an ObjectRef, or a table (put into the object store once). Every rank reads
+        the same object and keeps its own groups (:func:`shard_groups`)."""
+        if isinstance(batch, (list, tuple)):
+            (batch,) = batch
+        ref = batch if isinstance(batch, ray.ObjectRef) else ray.put(batch)
+        results = ray.get([m.train_shard.remote(ref, step, self.n) for m in self.members])
+        merged = dict(results[0])  # global quantities (whitening, token counts, mismatch/) are all-reduced already
+        tokens = [max(float(r.get("perf/train_valid_tokens", 0.0)), 0.0) for r in results]
+        w = tokens if sum(tokens) > 0 else [1.0] * len(results)
         for k in merged:
-            vals = [r.get(k) for r in results if isinstance(r.get(k), (int, float))]
-            if vals and k.startswith(("actor/", "is/", "kl/", "len/", "async/")):
-                merged[k] = float(sum(vals) / len(vals))  # per-rank means -> mean over ranks
+            if k in _SAME_ON_EVERY_RANK or not k.startswith(("actor/", "is/", "kl/", "len/", "async/")):
+                continue
+            pairs = [(r[k], wr) for r, wr in zip(results, w) if isinstance(r.get(k), (int, float))]
+            if pairs and k.endswith("_max"):
+                merged[k] = float(max(v for v, _ in pairs))
+            elif pairs:  # per-rank token means -> token mean of the whole batch
+                merged[k] = float(sum(v * wr for v, wr in pairs) / max(sum(wr for _, wr in pairs), 1e-12))
+        merged["perf/train_valid_tokens"] = float(sum(tokens))
         merged["perf/num_learners"] = float(self.n)
         return merged
 

@@ -15,6 +15,8 @@ sources and lists where the code deviates from them:
 * :mod:`~prorl_async.algo.reference` -- ProRL reference-policy resets;
 * :mod:`~prorl_async.algo.token_logprobs` -- token logprobs / entropy from hidden states and
   the LM head in token chunks (never the tokens x vocab fp32 logits).
+* :mod:`~prorl_async.algo.mismatch` -- training/inference logprob mismatch (k3 KL, |delta logprob|,
+  importance-weight band), measured every step.
 """
 
 from .advantages import (
@@ -36,6 +38,7 @@ from .losses import (
     masked_mean,
     policy_loss,
 )
+from .mismatch import mismatch, mismatch_metrics, mismatch_stats
 from .reference import RESET_CAUSES, ReferenceResetPolicy
 from .sampling import DynamicSamplingCollector, informative_groups
 from .shaping import (
@@ -67,6 +70,9 @@ __all__ = [
     "kl_penalty",
     "logprobs_from_logits",
     "masked_mean",
+    "mismatch",
+    "mismatch_metrics",
+    "mismatch_stats",
     "policy_loss",
     "reinforce_pp_baseline",
     "rloo",

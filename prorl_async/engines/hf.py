@@ -74,8 +74,11 @@ class HFEngine:
 
     def init_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
                          timeout_s: float = 120.0) -> bool:
+        # received buffers live where the backend moves them (NCCL: this engine's GPU), then load into the
+        # model; the engine announces its dtype so the sender casts on its side (bf16 on the wire for bf16)
         dtype = next(t.dtype for _, t in self.named_tensors() if t.is_floating_point())
-        self._sync = WeightSyncGroup(host, port, rank, world_size, backend, timeout_s, wire_dtype=dtype)
+        device = str(self.device) if backend == "nccl" else "cpu"
+        self._sync = WeightSyncGroup(host, port, rank, world_size, backend, timeout_s, wire_dtype=dtype, device=device)
         return True
 
     def receive_weights(self) -> dict:

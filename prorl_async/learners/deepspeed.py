@@ -1,29 +1,31 @@
-"""DeepSpeed ZeRO learner: the ProRL v2 update of :mod:`prorl_async.learners.torch_learner`,
+"""DeepSpeed ZeRO learner: the ProRL v2 update of :class:`prorl_async.learners.core.LearnerCore`,
 data-parallel over several learner processes.
 
-Same math, per step (DESIGN.md section 1): shaped rewards, REINFORCE++-baseline advantages,
-importance-corrected PPO-Clip with Clip-Higher, KL (k1/k2/k3) to a reference, token-mean
-aggregation, reference resets. What differs from :class:`TorchLearner`:
+The update (batch preparation, logprobs, loss, mini-batches, the non-finite rule, metric
+names) is the core's, as for :class:`~prorl_async.learners.torch_learner.TorchLearner`. This
+class owns only what DeepSpeed owns:
 
-* the model is a DeepSpeed engine (ZeRO stage ``train.zero_stage``, fp32 or bf16 from
-  ``model.dtype``, gradient clipping by DeepSpeed); the optimizer is torch's AdamW handed to
-  DeepSpeed (no fused/CPU Adam JIT builds);
-* each rank holds whole groups (``train.num_learners`` ranks split the groups); the global
-  batch whitening of the advantages all-reduces ``[sum, sum_sq, count]`` across ranks
-  (``reinforce_pp_baseline(stats_reduce=...)``), so every rank sees exactly what one rank would
-  compute on the whole batch (LESSONS: per-rank normalisation);
-* gradient accumulation with the *global* token count: each micro-batch loss is divided by the
-  number of valid tokens of the mini-batch summed over all ranks and multiplied by the world
-  size (DeepSpeed averages gradients over ranks), so the update equals the single-process
-  token-mean. ``backward(scale_wrt_gas=False)`` keeps DeepSpeed from dividing again;
+* the engine: ZeRO stage ``train.zero_stage``, fp32 or bf16 from ``model.dtype``, gradient
+  clipping by DeepSpeed; the optimizer is torch's AdamW handed to DeepSpeed (no fused/CPU
+  Adam JIT builds); the LR schedule is stepped once per learner step, as TorchLearner does;
+* the data-parallel world: each rank holds whole groups; the whitening statistics, the
+  mini-batch token counts and the mismatch statistics are all-reduced on the backend's
+  device (CUDA for NCCL), so every rank sees what one rank would compute on the whole batch
+  (LESSONS: per-rank normalisation); each micro-batch loss is divided by the mini-batch's
+  global token count and multiplied by the world size (DeepSpeed averages gradients over
+  ranks), so the update equals the single-process token mean;
+* gradient accumulation: the accumulation boundary is set explicitly at the last micro-batch
+  of each mini-batch, and every rank runs as many micro-batches (and no-grad forwards) as the
+  busiest rank (zero-gradient passes on the others), so uneven shards keep the collectives
+  paired and each mini-batch is exactly one optimizer step;
+* the non-finite rule: a micro-batch with a non-finite loss back-propagates NaN (its backward
+  still runs so the collectives stay in step); DeepSpeed's ZeRO optimizer then finds a
+  non-finite gradient norm and discards the step (weights and optimizer state unchanged,
+  ``was_step_applied()`` false), which the core counts. Relies on ZeRO stages 1-3
+  (``bf16.check_grad_overflow`` is set); stage 0 has no such check;
 * full parameters for broadcast and saving are gathered with ``GatheredParameters`` under
-  ZeRO-3;
-* the reference policy is a frozen plain-torch copy on CPU (or the training device); a reset
-  copies the gathered policy weights into it and optionally clears optimizer state.
-
-Deviation: a micro-batch with a non-finite loss contributes a zero gradient (its backward is
-still run so the ZeRO collectives stay in step across ranks) and is counted in
-``actor/skipped_microbatches``; the optimizer step itself is not skipped.
+  ZeRO-3; the reference policy is a frozen plain-torch copy on the learner's device;
+* DeepSpeed's own checkpoint.
 """
 
 from __future__ import annotations
@@ -32,56 +34,16 @@ import contextlib
 import copy
 import os
 import time
-from typing import Callable, Optional
+from typing import Optional
 
-import numpy as np
 import pyarrow as pa
 import torch
 import torch.distributed as dist
 
-from prorl_async.algo.advantages import compute_advantages
-from prorl_async.algo.losses import entropy_from_logits, logprobs_from_logits
-from prorl_async.algo.shaping import LengthPenaltySchedule, shape_rewards
-from prorl_async.learners.torch_learner import _acc, _cpu_has_bf16, algo_state, batch_metrics, batch_to_tensors, micro_batch_loss
-from prorl_async.weight_sync import free_port
-from prorl_async.metrics import is_correct
+from prorl_async.learners.core import (  # noqa: F401  (prepare_batch, token_logprobs: re-exported)
+    LearnerCore, algo_state, batch_metrics, cpu_has_bf16, prepare_batch, token_logprobs)
 from prorl_async.models import load_model
-
-
-def prepare_batch(table: pa.Table, pad_id: int, cfg, step: int, schedule: LengthPenaltySchedule,
-                  stats_reduce: Optional[Callable] = None) -> tuple[dict, dict]:
-    """Rollout rows -> tensors with shaped rewards, loss mask and advantages (one rank's share)."""
-    a = cfg.algo
-    b = batch_to_tensors(table, pad_id)
-    correct = is_correct(b["raw_reward"])
-    rewards, keep, shape_metrics = shape_rewards(
-        b["raw_reward"], correct, b["lengths"], b["truncated"],
-        max_length=cfg.rollout.max_new_tokens, step=step, schedule=schedule, cosine=a.length_penalty,
-        valid=b["valid"], overlong_mode=a.overlong, overlong_buffer=a.overlong_buffer,
-        overlong_factor=a.overlong_factor)
-    keep = keep & b["valid"]
-    b["mask"] = b["mask"] * keep[:, None].float()
-    kw = {"valid": b["valid"]}
-    if a.advantage == "reinforce_pp_baseline" and stats_reduce is not None:
-        kw["stats_reduce"] = stats_reduce
-    b["advantages"] = compute_advantages(a.advantage, rewards, b["group_index"], b["mask"], **kw)
-    return b, shape_metrics
-
-
-def token_logprobs(model, b: dict, rows: slice, temperature: float, device, autocast: bool,
-                   with_entropy: bool = False):
-    """Per-response-token logprobs (and entropies) at the sampling temperature."""
-    ids = b["input_ids"][rows].to(device)
-    att = b["attention_mask"][rows].to(device)
-    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-    with ctx:
-        logits = model(input_ids=ids, attention_mask=att).logits
-    logits = logits.float() / temperature
-    idx = b["gather_idx"][rows].to(device)
-    picked = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))
-    logp = logprobs_from_logits(picked, b["response_ids"][rows].to(device))
-    ent = entropy_from_logits(picked.detach()) if with_entropy else None
-    return logp, ent
+from prorl_async.weight_sync import free_port
 
 
 def _base_optimizer(opt):
@@ -95,15 +57,31 @@ def _base_optimizer(opt):
 
 def ensure_process_group(rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1",
                          master_port: int = 0, backend: str = "gloo") -> None:
-    """The learners' own torch.distributed world (separate from the weight-sync group)."""
+    """The learners' own torch.distributed world (separate from the weight-sync group). An explicit
+    ``master_port`` wins over an inherited ``MASTER_PORT`` (a parent's world, whose port is taken)."""
     if dist.is_initialized():
         return
+    if master_port:
+        os.environ.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
     os.environ.setdefault("MASTER_ADDR", master_addr)
-    os.environ.setdefault("MASTER_PORT", str(master_port or free_port(master_addr)))
+    os.environ.setdefault("MASTER_PORT", str(free_port(master_addr)))
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
                        "LOCAL_WORLD_SIZE": "1"})
     import deepspeed
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, rank=rank, world_size=world_size)
+
+
+def allreduce(x: torch.Tensor, op: str, device, world_size: int) -> torch.Tensor:
+    """``x`` all-reduced (``sum`` or ``max``) over the default group, computed on ``device`` (the
+    backend's: CUDA for NCCL, which refuses CPU tensors); returned on ``x``'s device."""
+    if world_size == 1 or not dist.is_initialized():
+        return x
+    y = x.to(device)
+    dist.all_reduce(y, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    out = y.to(x.device)
+    if out.data_ptr() != x.data_ptr():
+        x.copy_(out)  # stats_reduce callers may rely on in-place reduction
+    return x
 
 
 class DeepSpeedLearner:
@@ -124,108 +102,84 @@ class DeepSpeedLearner:
         self.use_ref = a.kl_coef > 0 or a.ref_reset_interval > 0
         self.ref = None
         if self.use_ref:
-            self.ref = copy.deepcopy(model).to(getattr(torch, cfg.model.dtype)).eval()
+            self.ref = copy.deepcopy(model).to(device=self.device, dtype=getattr(torch, cfg.model.dtype)).eval()
             self.ref.requires_grad_(False)
         rows_per_rank = cfg.samples_per_step // self.world_size
         mini = max(1, rows_per_rank // t.mini_batches)
-        self.micro = min(t.micro_batch_size, mini)
-        self.gas = -(-mini // self.micro)
+        self._micro = min(t.micro_batch_size, mini)
+        self.gas = -(-mini // self._micro)  # nominal: the boundary is set per mini-batch (see train_step)
         bf16 = cfg.model.dtype == "bfloat16"
         ds_config = {
-            "train_micro_batch_size_per_gpu": self.micro,
+            "train_micro_batch_size_per_gpu": self._micro,
             "gradient_accumulation_steps": self.gas,
-            "train_batch_size": self.micro * self.gas * self.world_size,
+            "train_batch_size": self._micro * self.gas * self.world_size,
             "gradient_clipping": t.grad_clip,
             "zero_optimization": {"stage": t.zero_stage},
-            "bf16": {"enabled": bf16},
+            "bf16": {"enabled": bf16, "check_grad_overflow": True},  # a non-finite gradient skips the step
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
         }
         opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+        self.engine, self.opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config,
+                                                           dist_init_required=False)
+        # stepped once per learner step that updated, as TorchLearner does (not by DeepSpeed per optimizer step)
         warm = max(1, t.warmup_lr_steps)
-        per_step = t.mini_batches * t.ppo_epochs  # DeepSpeed steps the schedule per optimizer step;
-        # count learner steps instead, as TorchLearner does
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s // per_step + 1) / warm))
-        self.engine, self.opt, _, self.lr_sched = deepspeed.initialize(
-            model=model, optimizer=opt, lr_scheduler=sched, config=ds_config,
-            dist_init_required=False)
+        self.lr_sched = torch.optim.lr_scheduler.LambdaLR(_base_optimizer(self.opt), lambda s: min(1.0, (s + 1) / warm))
         self.model = self.engine.module
-        self.autocast = (not bf16) and cfg.model.autocast_bf16 and (self.device.type == "cuda" or _cpu_has_bf16())
+        self.device = torch.device(self.engine.device)
+        self.autocast = (not bf16) and cfg.model.autocast_bf16 and (self.device.type == "cuda" or cpu_has_bf16())
+        self.run_all_micro_batches = True  # collectives in every backward: never break out early
+        self.policy = self.engine
+        self.core = LearnerCore(cfg, self)
         self.length_schedule, self.ref_policy = algo_state(a)
         self.version = 0
         self.skipped_total = 0
+        self.skipped_in_row = 0
 
-    # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ what the core calls
+    def reduce(self, x: torch.Tensor, op: str) -> torch.Tensor:
+        """All-reduce (``sum`` / ``max``) on the backend's device (NCCL only moves CUDA tensors);
+        returns the result where ``x`` was."""
+        return allreduce(x, op, self.device, self.world_size)
+
+    def zero_grad(self) -> None:
+        pass  # DeepSpeed clears gradients after each optimizer step (or discarded step)
+
+    def backward(self, loss: torch.Tensor, last: bool) -> None:
+        self.engine.set_gradient_accumulation_boundary(last)
+        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+
+    def finish_update(self, finite: bool) -> tuple[bool, float]:
+        self.engine.step()
+        gn = self.engine.get_global_grad_norm()
+        return bool(self.engine.was_step_applied()), float("nan") if gn is None else float(gn)
+
+    @property
+    def micro(self) -> int:
+        return self._micro
+
     def _allreduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
-            dist.all_reduce(x)
-        return x
-
-    def _logprobs(self, model, b, rows, with_entropy=False):
-        return token_logprobs(model, b, rows, self.cfg.rollout.temperature, self.engine.device
-                              if model is self.engine else self.device, self.autocast, with_entropy)
-
-    @torch.no_grad()
-    def _no_grad_logprobs(self, model, b: dict) -> torch.Tensor:
-        n = b["mask"].shape[0]
-        return torch.cat([self._logprobs(model, b, slice(i, i + self.micro))[0] for i in range(0, n, self.micro)])
+        return self.reduce(x, "sum")
 
     # ------------------------------------------------------------------ one step
     def train_step(self, table: pa.Table, step: Optional[int] = None) -> dict:
         """One update on this rank's share of the groups; every rank must call it together."""
-        cfg, a, t = self.cfg, self.cfg.algo, self.cfg.train
         step = self.version if step is None else step
         t0 = time.perf_counter()
-        b, shape_metrics = prepare_batch(table, self.pad_id, cfg, step, self.length_schedule,
+        b, shape_metrics = prepare_batch(table, self.pad_id, self.cfg, step, self.length_schedule,
                                          stats_reduce=self._allreduce)
-        mask, adv = b["mask"], b["advantages"]
-        n = mask.shape[0]
         self.engine.train()
-        multi = t.mini_batches * t.ppo_epochs > 1
-        old_all = self._no_grad_logprobs(self.engine, b) if multi else None
-        ref_all = self._no_grad_logprobs(self.ref, b) if a.kl_coef > 0 else None
-        agg: dict[str, list[float]] = {}
-        mb_size = max(1, n // t.mini_batches)
-        updates, grad_norms, skipped = 0, [], 0
-        for _ in range(t.ppo_epochs):
-            for m0 in range(0, n, mb_size):
-                mb = slice(m0, min(n, m0 + mb_size))
-                global_tokens = float(self._allreduce(mask[mb].sum().double().reshape(1)).clamp(min=1.0))
-                for i in range(mb.start, mb.stop, self.micro):
-                    rows = slice(i, min(mb.stop, i + self.micro))
-                    logp, ent = self._logprobs(self.engine, b, rows, with_entropy=True)
-                    mk = mask[rows].to(logp.device)
-                    old = old_all[rows].to(logp.device) if multi else logp.detach()
-                    loss, sums = micro_batch_loss(
-                        a, logp, ent, old, adv[rows].to(logp.device), b["behavior_logprobs"][rows].to(logp.device),
-                        ref_all[rows].to(logp.device) if ref_all is not None else None, mk, global_tokens)
-                    if not torch.isfinite(loss):
-                        skipped += 1
-                        loss = logp.sum() * 0.0  # zero gradient, collectives stay in step
-                    self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
-                    self.engine.step()
-                    for k, v in sums.items():
-                        _acc(agg, k, v)
-                updates += 1
-                gn = self.engine.get_global_grad_norm()
-                if gn is not None:
-                    grad_norms.append(float(gn))
+        metrics = self.core.train_step(b, self.ref, step, self.version)
+        if metrics["actor/updates"]:
+            self.lr_sched.step()
         self.version += 1
-        self.skipped_total += skipped
-        tokens = max(sum(agg.pop("_tokens", [0.0])), 1.0)
-        metrics = {k: sum(v) / tokens for k, v in agg.items()}
         cause = self.ref_policy.update(step, kl=metrics.get("kl/loss_term"))
         if cause:
             self.reset_reference(cause)
         dt = time.perf_counter() - t0
         metrics.update(shape_metrics)
-        metrics.update({
-            "actor/grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
-            "actor/lr": self.lr_sched.get_last_lr()[0] if self.lr_sched is not None else t.lr,
-            "actor/skipped_microbatches": float(self.skipped_total),
-            "actor/updates": float(updates),
-            **batch_metrics({**b, "mask": mask}, self.version, dt, t.ppo_epochs, cause),
-        })
+        metrics["actor/lr"] = self.lr_sched.get_last_lr()[0]
+        metrics.update(batch_metrics(b, self.version, dt, self.cfg.train.ppo_epochs, cause))
         return metrics
 
     # ------------------------------------------------------------------ reference, weights
@@ -265,8 +219,8 @@ class DeepSpeedLearner:
 
     # ------------------------------------------------------------------ checkpoint
     def save_state(self, path) -> None:
-        """DeepSpeed's own checkpoint (module, ZeRO-partitioned optimizer, LR scheduler; every rank
-        writes its part) under ``path/learner/deepspeed`` with our algo state as client state, plus
+        """DeepSpeed's own checkpoint (module, ZeRO-partitioned optimizer; every rank writes its
+        part) under ``path/learner/deepspeed`` with our LR schedule and algo state as client state, plus
         this rank's RNG states. A collective: every rank calls it."""
         from pathlib import Path
 
@@ -275,7 +229,8 @@ class DeepSpeedLearner:
         d = Path(path) / "learner" / "deepspeed"
         self.engine.save_checkpoint(str(d), tag="state", save_latest=False, client_state={
             "length_schedule": self.length_schedule.state_dict(), "ref_policy": self.ref_policy.state_dict(),
-            "version": self.version, "skipped_total": self.skipped_total})
+            "version": self.version, "skipped_total": self.skipped_total, "skipped_in_row": self.skipped_in_row,
+            "lr_scheduler": self.lr_sched.state_dict()})
         torch.save(rng_state(), d / f"rng-rank{self.rank}.pt")
 
     @torch.no_grad()
@@ -288,12 +243,14 @@ class DeepSpeedLearner:
 
         d = Path(path) / "learner" / "deepspeed"
         loaded, client = self.engine.load_checkpoint(str(d), tag="state", load_optimizer_states=True,
-                                                     load_lr_scheduler_states=True)
+                                                     load_lr_scheduler_states=False)
         if loaded is None:
             raise ValueError(f"checkpoint: no DeepSpeed state in {d}")
         self.length_schedule.load_state_dict(client["length_schedule"])
         self.ref_policy.load_state_dict(client["ref_policy"])
         self.version, self.skipped_total = int(client["version"]), int(client["skipped_total"])
+        self.skipped_in_row = int(client.get("skipped_in_row", 0))
+        self.lr_sched.load_state_dict(client["lr_scheduler"])
         ref = Path(path) / "learner" / "reference.safetensors"
         if self.ref is not None and ref.is_file():
             from safetensors.torch import load_file

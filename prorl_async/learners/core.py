@@ -1,0 +1,360 @@
+"""The learner core shared by :class:`~prorl_async.learners.torch_learner.TorchLearner` and
+:class:`~prorl_async.learners.deepspeed.DeepSpeedLearner`: one ProRL v2 update per call.
+
+Per step (DESIGN.md section 1; formulas in :mod:`prorl_async.algo`):
+
+1. rollout rows -> tensors; shaped rewards (scheduled cosine length reward, overlong filter /
+   DAPO soft punishment); samples with an invalid grade or a non-finite behaviour logprob
+   leave the loss mask, counted;
+2. REINFORCE++-baseline advantages (group-mean baseline, whitening over the *global* batch:
+   the statistics go through the optimizer's all-reduce on data-parallel ranks);
+3. ``old_logprobs`` recomputed with the current weights when the batch takes several
+   optimizer steps (otherwise the first forward's detached values), reference logprobs when
+   the KL penalty is on;
+4. exactly ``train.mini_batches`` x ``train.ppo_epochs`` optimizer steps: the rows are split
+   into ``mini_batches`` near-equal slices whatever their count (63 rows, 4 mini-batches ->
+   16/16/16/15), each a token-mean importance-corrected PPO-Clip + KL - entropy loss
+   accumulated over micro-batches (the mini-batch's valid tokens summed over ranks);
+5. the non-finite rule: a mini-batch whose loss or gradient norm is non-finite changes
+   nothing (weights and optimizer state bitwise as before), is counted in
+   ``actor/skipped_updates``, and ``train.max_skipped_steps`` of them in a row stop the run;
+6. training/inference mismatch (:mod:`prorl_async.algo.mismatch`) on the start-of-step
+   logprobs: ``mismatch/*`` over tokens generated with the learner's current weights
+   (``policy_version`` = learner version), ``mismatch/all_*`` over all tokens;
+7. reference reset on interval / KL spike / validation stall.
+
+What the core needs from a learner (``ops``): ``policy`` (the module to call), ``device``,
+``autocast``, ``micro``
+(micro-batch rows), ``zero_grad()``, ``backward(loss)``, ``finish_update(finite) ->
+(applied, grad_norm)`` and ``reduce(tensor, op)`` (identity on one process); the torch
+learner owns AdamW and clipping, the DeepSpeed learner its engine, ZeRO and checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Optional
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from prorl_async.algo.advantages import compute_advantages
+from prorl_async.algo.losses import entropy_from_logits, kl_penalty, logprobs_from_logits, policy_loss
+from prorl_async.algo.mismatch import mismatch_metrics, mismatch_stats
+from prorl_async.algo.reference import ReferenceResetPolicy
+from prorl_async.algo.shaping import LengthPenaltySchedule, shape_rewards
+from prorl_async.metrics import is_correct
+
+
+def algo_state(a) -> tuple[LengthPenaltySchedule, ReferenceResetPolicy]:
+    """A learner's algo state objects from ``cfg.algo``: length-penalty schedule, reference-reset policy."""
+    return (LengthPenaltySchedule(a.length_on_steps, a.length_off_steps, a.length_start_step),
+            ReferenceResetPolicy(interval=a.ref_reset_interval, kl_spike_factor=a.ref_kl_spike_factor,
+                                 kl_window=a.ref_kl_window, val_patience=a.ref_val_patience,
+                                 reset_optimizer=a.ref_reset_optimizer))
+
+
+class NonFiniteStepError(RuntimeError):
+    """Too many consecutive non-finite steps."""
+
+
+# ---------------------------------------------------------------------- batch preparation
+def batch_to_tensors(table: pa.Table, pad_id: int) -> dict[str, torch.Tensor]:
+    """Rollout rows -> right-padded sequences and response-aligned [N, T] tensors."""
+    cols = table.to_pydict()
+    prompts, responses = cols["prompt_ids"], cols["response_ids"]
+    n = len(prompts)
+    plen = torch.tensor([len(p) for p in prompts])
+    rlen = torch.tensor([len(r) for r in responses])
+    S = int((plen + rlen).max())
+    T = max(1, int(rlen.max()))
+    input_ids = torch.full((n, S), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, S), dtype=torch.long)
+    beh = torch.zeros((n, T), dtype=torch.float32)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        seq = list(p) + list(r)
+        input_ids[i, :len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attention[i, :len(seq)] = 1
+        beh[i, :len(r)] = torch.tensor(cols["behavior_logprobs"][i], dtype=torch.float32)
+    mask = (torch.arange(T)[None, :] < rlen[:, None]).float()
+    # logits at sequence position P+j-1 predict response token j
+    gather_idx = (plen[:, None] + torch.arange(T)[None, :] - 1).clamp(max=S - 2)
+    response_ids = torch.zeros((n, T), dtype=torch.long)
+    for i, r in enumerate(responses):
+        response_ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+    _, group_index = np.unique(np.asarray(cols["prompt_id"]), return_inverse=True)
+    return {
+        "input_ids": input_ids, "attention_mask": attention, "gather_idx": gather_idx,
+        "response_ids": response_ids, "mask": mask, "behavior_logprobs": beh,
+        "raw_reward": torch.tensor(cols["raw_reward"], dtype=torch.float32),
+        "valid": torch.tensor(cols["reward_valid"], dtype=torch.bool),
+        "lengths": rlen, "truncated": torch.tensor([f == "length" for f in cols["finish_reason"]]),
+        "group_index": torch.as_tensor(group_index, dtype=torch.long),
+        "policy_version": torch.tensor(cols["policy_version"], dtype=torch.long),
+    }
+
+
+def prepare_batch(table: pa.Table, pad_id: int, cfg, step: int, schedule,
+                  stats_reduce=None) -> tuple[dict, dict]:
+    """Rollout rows -> tensors with shaped rewards, loss mask and advantages (this rank's share).
+
+    Adds ``response_mask`` (every response token of a sample with finite behaviour logprobs:
+    what the mismatch metrics measure), ``beh_bad`` (samples dropped for a non-finite behaviour
+    logprob), ``mask`` (the loss mask) and ``advantages``. ``stats_reduce`` sums the whitening
+    statistics over data-parallel ranks."""
+    a = cfg.algo
+    b = batch_to_tensors(table, pad_id)
+    correct = is_correct(b["raw_reward"])
+    rewards, keep, shape_metrics = shape_rewards(
+        b["raw_reward"], correct, b["lengths"], b["truncated"],
+        max_length=cfg.rollout.max_new_tokens, step=step, schedule=schedule, cosine=a.length_penalty,
+        valid=b["valid"], overlong_mode=a.overlong, overlong_buffer=a.overlong_buffer,
+        overlong_factor=a.overlong_factor)
+    keep = keep & b["valid"]
+    # an engine that returned a non-finite behaviour logprob loses that sample, counted
+    beh = b["behavior_logprobs"]
+    beh_bad = ~torch.where(b["mask"] > 0, beh, torch.zeros_like(beh)).isfinite().all(dim=1)
+    keep = keep & ~beh_bad
+    b["behavior_logprobs"] = torch.nan_to_num(beh, nan=0.0, posinf=0.0, neginf=0.0)
+    b["beh_bad"] = beh_bad
+    b["response_mask"] = b["mask"] * (~beh_bad)[:, None].float()
+    b["mask"] = b["mask"] * keep[:, None].float()
+    # grading failures are masked out of baselines and whitening, never scored 0
+    kw = {"valid": b["valid"]}
+    if stats_reduce is not None and a.advantage == "reinforce_pp_baseline":
+        kw["stats_reduce"] = stats_reduce
+    b["advantages"] = compute_advantages(a.advantage, rewards, b["group_index"], b["mask"], **kw)
+    return b, shape_metrics
+
+
+def mini_batch_slices(n: int, mini_batches: int) -> list[slice]:
+    """``mini_batches`` contiguous slices of ``n`` rows, sizes differing by at most one
+    (63 rows, 4 mini-batches -> 16, 16, 16, 15); some are empty when ``n < mini_batches``."""
+    if mini_batches < 1:
+        raise ValueError(f"train.mini_batches must be >= 1, got {mini_batches}")
+    q, r = divmod(n, mini_batches)
+    sizes = [q + (1 if i < r else 0) for i in range(mini_batches)]
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    return [slice(int(bounds[i]), int(bounds[i + 1])) for i in range(mini_batches)]
+
+
+def shard_groups(table: pa.Table, rank: int, world_size: int) -> pa.Table:
+    """This rank's whole groups (prompt ids, sorted, dealt round-robin) of a batch.
+
+    Every rank applies the same rule to the same table, so the shards partition it."""
+    pids = np.asarray(table.column("prompt_id").to_pylist())
+    groups = sorted(set(pids.tolist()))
+    if len(groups) < world_size:
+        raise ValueError(f"a batch of {len(groups)} groups cannot feed train.num_learners={world_size} "
+                         "ranks: lower train.num_learners or raise train.prompts_per_step")
+    mine = {g for i, g in enumerate(groups) if i % world_size == rank}
+    return table.filter(pa.array([p in mine for p in pids.tolist()]))
+
+
+def sync_device(backend: str, device) -> str:
+    """Where weight-sync buffers live: the learner's / engine's CUDA device for NCCL (which only
+    moves CUDA tensors), CPU for gloo."""
+    return str(device) if backend == "nccl" else "cpu"
+
+
+# ---------------------------------------------------------------------- forward
+def cpu_has_bf16() -> bool:
+    try:
+        flags = open("/proc/cpuinfo").read()
+        return "avx512_bf16" in flags or "amx_bf16" in flags
+    except OSError:
+        return False
+
+
+def autocast_ctx(device: torch.device, enabled: bool):
+    return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+
+
+def token_logprobs(model, b: dict, rows: slice, temperature: float, device, autocast: bool,
+                   with_entropy: bool = False):
+    """Per-response-token logprobs (and entropies) at the sampling temperature."""
+    device = torch.device(device)
+    ids = b["input_ids"][rows].to(device)
+    att = b["attention_mask"][rows].to(device)
+    with autocast_ctx(device, autocast):
+        logits = model(input_ids=ids, attention_mask=att).logits
+    logits = logits.float() / temperature
+    idx = b["gather_idx"][rows].to(device)
+    picked = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))  # [n, T, V]
+    logp = logprobs_from_logits(picked, b["response_ids"][rows].to(device))
+    ent = entropy_from_logits(picked.detach()) if with_entropy else None
+    return logp, ent
+
+
+# ---------------------------------------------------------------------- loss, metrics
+def micro_batch_loss(a, logp: torch.Tensor, ent: torch.Tensor, old: torch.Tensor, adv: torch.Tensor,
+                     behavior: torch.Tensor, ref: Optional[torch.Tensor], mk: torch.Tensor,
+                     num_tokens: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss of one micro-batch (``a`` = AlgoConfig): importance-corrected PPO-Clip + ``kl_coef`` *
+    KL to the reference - ``entropy_coef`` * entropy, each a sum over valid tokens divided by
+    ``num_tokens`` (the mini-batch's, or the global count), so micro-batches add up to the token
+    mean. Returns the loss and token-weighted metric sums to accumulate (``_tokens`` = weight)."""
+    pg, pm = policy_loss(logp, old, adv, mk, clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
+                         behavior_logprobs=behavior, is_mode=a.is_mode, is_low=a.is_low, is_high=a.is_high,
+                         num_tokens=num_tokens)
+    zeros = torch.zeros_like(logp)
+    loss = pg
+    sums: dict[str, float] = {}
+    if ref is not None:
+        kl_term = torch.where(mk > 0, kl_penalty(logp, ref, a.kl_kind, mask=mk), zeros).sum() / num_tokens
+        loss = loss + a.kl_coef * kl_term
+        sums["kl/loss_term"] = float(kl_term.detach()) * num_tokens
+    ent_term = torch.where(mk > 0, ent, zeros).sum() / num_tokens
+    if a.entropy_coef:
+        loss = loss - a.entropy_coef * ent_term
+    w = float(mk.sum())  # metrics of this micro-batch weigh by its valid tokens
+    sums["actor/pg_loss"] = float(pg.detach()) * num_tokens
+    sums["actor/entropy"] = float(ent_term.detach()) * num_tokens
+    for k, v in pm.items():
+        sums[_metric_name(k)] = v * w
+    sums["_tokens"] = w
+    sums["is/logprob_abs_diff"] = float(torch.where(mk > 0, (old - behavior).abs(), zeros).sum())
+    return loss, sums
+
+
+def batch_metrics(b: dict, version: int, dt: float, ppo_epochs: int, cause: Optional[str]) -> dict[str, float]:
+    """What one learner step reports about its batch, timing, staleness and reference reset.
+    ``version`` is the learner's version after the step; ``b["mask"]`` the loss mask it used."""
+    staleness = version - 1 - b["policy_version"]
+    out = {
+        "len/response_mean": float(b["lengths"].float().mean()),
+        "len/truncated_frac": float(b["truncated"].float().mean()),
+        "perf/train_s": dt,
+        "perf/train_tok_s": float(b["attention_mask"].sum() * ppo_epochs) / dt,
+        "perf/train_valid_tokens": float(b["mask"].sum()),
+        "async/trained_staleness_max": float(staleness.max()),
+        "async/trained_staleness_mean": float(staleness.float().mean()),
+        "ref/reset": 1.0 if cause else 0.0,
+        "policy_version": float(version),
+    }
+    if cause:
+        out[f"ref/reset_{cause}"] = 1.0
+    return out
+
+
+def _acc(d: dict, k: str, v: float) -> None:
+    d.setdefault(k, []).append(v)
+
+
+def _metric_name(k: str) -> str:
+    if k.startswith("is_"):
+        return "is/" + k[3:]
+    return "actor/" + k
+
+
+# ---------------------------------------------------------------------- the step
+class LearnerCore:
+    """The update loop over a learner's ``ops`` (see the module docstring)."""
+
+    def __init__(self, cfg, ops):
+        self.cfg, self.ops = cfg, ops
+
+    def _logprobs(self, model, b, rows, with_entropy=False):
+        o = self.ops
+        return token_logprobs(model, b, rows, self.cfg.rollout.temperature, o.device, o.autocast, with_entropy)
+
+    @torch.no_grad()
+    def no_grad_logprobs(self, model, b: dict, n_micro: Optional[int] = None) -> torch.Tensor:
+        """Logprobs of every row; ``n_micro`` pads the loop with forwards of row 0 so that every
+        rank runs as many forwards as the busiest one (ZeRO-3 gathers parameters in each)."""
+        n, mbs = b["mask"].shape[0], self.ops.micro
+        out = [self._logprobs(model, b, slice(i, i + mbs))[0] for i in range(0, n, mbs)]
+        for _ in range(len(out), n_micro or 0):
+            self._logprobs(model, b, slice(0, 1))
+        return torch.cat(out)
+
+    def train_step(self, b: dict, ref_model, step: int, version: int) -> dict:
+        """One update on prepared batch ``b`` (:func:`prepare_batch`); returns metrics without
+        the step-level ones (version, timing) that the learner adds."""
+        a, t, o = self.cfg.algo, self.cfg.train, self.ops
+        mask, adv, n = b["mask"], b["advantages"], b["mask"].shape[0]
+        mbs = o.micro
+        slices = mini_batch_slices(n, t.mini_batches)
+        # every rank runs as many micro-batches per mini-batch as the busiest rank (collectives pair up)
+        counts = o.reduce(torch.tensor([-(-(s.stop - s.start) // mbs) for s in slices] + [-(-n // mbs)],
+                                       dtype=torch.float64), "max").long().tolist()
+        multi = t.mini_batches * t.ppo_epochs > 1
+        old_all = self.no_grad_logprobs(o.policy, b, counts[-1]) if multi else None
+        ref_all = self.no_grad_logprobs(ref_model, b) if a.kl_coef > 0 else None
+        start_lp = old_all.clone() if multi else torch.zeros_like(mask)  # start-of-step logprobs
+        seen = torch.full((n,), multi, dtype=torch.bool)
+
+        agg: dict[str, list[float]] = {}
+        grad_norms, updates, skipped = [], 0, 0
+        for _ in range(t.ppo_epochs):
+            for j, mb in enumerate(slices):
+                mb_tokens = float(o.reduce(mask[mb].sum().double().reshape(1), "sum").clamp(min=1.0))
+                o.zero_grad()
+                finite = True
+                for k in range(counts[j]):
+                    rows = slice(mb.start + k * mbs, min(mb.stop, mb.start + (k + 1) * mbs))
+                    dummy = rows.start >= rows.stop  # this rank has fewer rows: a zero-gradient pass
+                    if dummy:
+                        rows = slice(0, 1)
+                    logp, ent = self._logprobs(o.policy, b, rows, with_entropy=True)
+                    mk = mask[rows].to(logp.device) * (0.0 if dummy else 1.0)
+                    if not dummy and not multi:
+                        start_lp[rows] = logp.detach().to(start_lp.device)
+                        seen[rows] = True
+                    loss = None
+                    if torch.isfinite(torch.where(mk > 0, logp, torch.zeros_like(logp))).all():
+                        old = old_all[rows].to(logp.device) if multi else logp.detach()
+                        loss, sums = micro_batch_loss(
+                            a, logp, ent, old, adv[rows].to(logp.device), b["behavior_logprobs"][rows].to(logp.device),
+                            ref_all[rows].to(logp.device) if ref_all is not None else None, mk, mb_tokens)
+                    if loss is None or not torch.isfinite(loss):
+                        finite = False  # the model or the loss produced NaN/inf: this update is skipped
+                        if not o.run_all_micro_batches:
+                            break
+                        loss = logp.sum() * float("nan")  # keeps collectives in step; NaN grads skip the step
+                    o.backward(loss, last=(k == counts[j] - 1))
+                    if finite and not dummy:
+                        for key, v in sums.items():
+                            _acc(agg, key, v)
+                applied, grad_norm = o.finish_update(finite)
+                if not applied:
+                    skipped += 1
+                    o.skipped_total += 1
+                    o.skipped_in_row += 1
+                    if o.skipped_in_row >= t.max_skipped_steps:
+                        raise NonFiniteStepError(
+                            f"{o.skipped_in_row} consecutive updates had a non-finite loss or gradient norm "
+                            f"(train.max_skipped_steps={t.max_skipped_steps}); stopping with the last good weights")
+                    continue
+                o.skipped_in_row = 0
+                updates += 1
+                grad_norms.append(float(grad_norm))
+
+        tokens = max(sum(agg.pop("_tokens", [0.0])), 1.0)  # valid tokens seen, over epochs
+        metrics = {k: sum(v) / tokens for k, v in agg.items()}  # token means
+        metrics.update({
+            "actor/grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
+            "actor/skipped_updates": float(o.skipped_total),
+            "actor/updates": float(updates),
+            "is/nonfinite_behavior_samples": float(o.reduce(b["beh_bad"].sum().double().reshape(1), "sum")),
+        })
+        metrics.update(self.mismatch(b, start_lp, seen, version))
+        return metrics
+
+    def mismatch(self, b: dict, learner_lp: torch.Tensor, seen: torch.Tensor, version: int) -> dict[str, float]:
+        """``mismatch/*`` on tokens generated with the current weights, ``mismatch/all_*`` on all."""
+        a, o = self.cfg.algo, self.ops
+        beh = b["behavior_logprobs"]
+        resp = b["response_mask"] * seen[:, None].float()
+        lp = torch.where(resp > 0, learner_lp.float().to(beh.device), torch.zeros_like(beh))
+        resp = resp * lp.isfinite().all(dim=1)[:, None].float()  # a NaN forward skips the step; not measured
+        lp = torch.nan_to_num(lp, nan=0.0, posinf=0.0, neginf=0.0)
+        current = (b["policy_version"] == version)[:, None].float()
+        out = {}
+        for prefix, m in (("mismatch/", resp * current), ("mismatch/all_", resp)):
+            s = mismatch_stats(lp, beh, m, a.is_low, a.is_high)
+            s = torch.cat([o.reduce(s[:4].clone(), "sum"), o.reduce(s[4:].clone(), "max")])
+            out.update(mismatch_metrics(s, prefix))
+        return out
