@@ -11,6 +11,8 @@ the blocking ``LLM.generate``, so that between two engine steps the engine can
   version of its first and last token (``Completion.policy_version`` / ``policy_version_end``).
   Without in-flight updates staged weights are applied at the next request boundary, so each
   response comes from exactly one version.
+* After every applied update the prefix cache is reset (and, mid-request, the running requests
+  are preempted so that their KV is recomputed): KV computed with old weights is never served.
 
 Behaviour logprobs use ``logprobs_mode="processed_logprobs"``: the log-probability of each
 sampled token under the distribution it was sampled from, i.e. ``log_softmax(logits / T)``
@@ -26,6 +28,9 @@ parallel size ``tp`` takes ``tp`` consecutive ranks (``weight_sync_ranks``). TP 
 Modes: in-process (``in_process=True``: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni``
 executor, ~3 s start, used by tests) or the default multiprocess engine core (15-25 s start on
 CPU; callers need a ``if __name__ == "__main__":`` guard because the core is spawned).
+Logging: vLLM's INFO lines (hundreds per run) are quietened to WARNING in the engine's
+processes by default; ``PRORL_ASYNC_VLLM_LOG=info`` brings them back (:func:`quiet_vllm_logging`).
+
 Seeding: vLLM's CPU sampler dies on per-request seeds in large batches ("CPU Generator does
 not use offset"), so the *engine* is seeded once (``seed``) and ``SamplingSpec.seed`` is not
 used per request: samples are reproducible for a fixed sequence of requests, not per request.
@@ -43,9 +48,25 @@ import torch
 
 from prorl_async.engines.base import Completion, SamplingSpec
 from prorl_async.weight_sync import WeightSyncError, tensor_checksum
-from prorl_async.models import load_model, load_tokenizer
+from prorl_async.models import load_model, load_tokenizer, machine_dtype
 
 WORKER_EXTENSION = "prorl_async.engines.vllm_worker.WeightSyncWorkerExtension"
+LOG_ENV = "PRORL_ASYNC_VLLM_LOG"
+
+
+def quiet_vllm_logging() -> str:
+    """vLLM logs at WARNING unless ``$PRORL_ASYNC_VLLM_LOG`` (e.g. ``info``, ``debug``) says
+    otherwise; an explicit ``$VLLM_LOGGING_LEVEL`` wins. Set in the environment before vLLM is
+    imported, so the spawned engine-core and worker processes inherit it, and on the already
+    created ``vllm`` logger. Returns the level in force."""
+    import logging
+
+    level = (os.environ.get(LOG_ENV) or os.environ.get("VLLM_LOGGING_LEVEL") or "warning").upper()
+    if not isinstance(logging.getLevelName(level), int):
+        raise ValueError(f"${LOG_ENV}={os.environ.get(LOG_ENV)!r} is not a logging level; use debug, info or warning")
+    os.environ["VLLM_LOGGING_LEVEL"] = level
+    logging.getLogger("vllm").setLevel(level)
+    return level
 
 
 def checkpoint_manifest(model_path: str, dtype: str) -> list:
@@ -67,6 +88,8 @@ class VLLMEngine:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
         in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
         on_gpu = torch.cuda.is_available()
+        dtype = machine_dtype(dtype)
+        quiet_vllm_logging()
         from vllm import LLM
 
         kw = dict(model=model_path, dtype=dtype, seed=seed, enforce_eager=enforce_eager,
@@ -90,6 +113,7 @@ class VLLMEngine:
         self._abort = threading.Event()
         self._busy = False
         self._synced = False
+        self.prefix_cache_resets = 0
 
     # ------------------------------------------------------------------ generation
     def _params(self, spec: SamplingSpec):
@@ -180,6 +204,7 @@ class VLLMEngine:
             apply = self.inflight_weight_updates or not self._busy
             info = self._rpc("prorl_receive", apply)
             if info["applied"]:
+                self._after_update()
                 self.version = info["version"]
             self._synced = True
         return {"version": info["version"], "seconds": info["seconds"], "applied": info["applied"]}
@@ -190,7 +215,18 @@ class VLLMEngine:
         with self._lock:
             version = self._rpc("prorl_apply_staged")
             if version is not None:
+                self._after_update()
                 self.version = version
+
+    def _after_update(self) -> None:
+        """New weights are in: no KV computed with the old ones may be served again. Empties
+        vLLM's prefix cache (every chat prompt shares the template's system-prompt prefix, so
+        a stale cache would be hit on every request) and, mid-request (in-flight updates),
+        preempts the running requests so their KV is recomputed under the new weights."""
+        if not self.engine.reset_prefix_cache(reset_running_requests=self._busy):
+            raise WeightSyncError("vLLM refused to reset its prefix cache after a weight update; "
+                                  "KV computed with the old weights would be served")
+        self.prefix_cache_resets += 1
 
     def weights_checksum(self) -> tuple[int, float]:
         """(version, checksum in checkpoint layout) of the weights in use; applies staged ones."""
