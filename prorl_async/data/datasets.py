@@ -30,7 +30,7 @@ from urllib.parse import parse_qs, urlsplit
 
 logger = logging.getLogger(__name__)
 
-NEEDS = {"math": "answer", "logic": "answer", "stem": "answer", "arithmetic": "answer",
+NEEDS = {"math": "answer", "logic": "answer", "stem": "answer", "arithmetic": "answer", "chat-arith": "answer",
          "code": "tests", "instruction": "constraints"}
 _JSON_COLUMNS = ("tests", "constraints", "meta", "choices")
 _MAX_LISTED = 20
