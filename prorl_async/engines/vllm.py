@@ -28,6 +28,11 @@ parallel size ``tp`` takes ``tp`` consecutive ranks (``weight_sync_ranks``). TP 
 Modes: in-process (``in_process=True``: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni``
 executor, ~3 s start, used by tests) or the default multiprocess engine core (15-25 s start on
 CPU; callers need a ``if __name__ == "__main__":`` guard because the core is spawned).
+Concurrent ``generate`` calls (the generator actor serves several; an evaluation sends all
+its chunks at once) share one engine: whichever caller steps it routes the other callers'
+outputs to them. (Before, each caller dropped outputs of requests it did not own; with DELTA
+outputs those tokens were lost, which corrupted concurrent responses.)
+
 Logging: vLLM's INFO lines (hundreds per run) are quietened to WARNING in the engine's
 processes by default; ``PRORL_ASYNC_VLLM_LOG=info`` brings them back (:func:`quiet_vllm_logging`).
 
@@ -111,7 +116,8 @@ class VLLMEngine:
         self.version = 0
         self._lock = threading.RLock()   # one caller of the engine at a time; held per step, not per request
         self._abort = threading.Event()
-        self._busy = False
+        self._active = 0                 # generate() calls in flight (callers may overlap)
+        self._inbox: dict[str, list] = {}  # outputs stepped by one caller for another's request
         self._synced = False
         self.prefix_cache_resets = 0
 
@@ -134,9 +140,10 @@ class VLLMEngine:
         params = self._params(spec)
         tag = uuid.uuid4().hex[:10]
         with self._lock:
-            self._apply_staged()
-            self._abort.clear()
-            self._busy = True
+            if self._active == 0:  # staged weights wait until no response is half generated
+                self._apply_staged()
+                self._abort.clear()
+            self._active += 1
             ids = [f"{tag}-{i}" for i in range(len(prompt_ids))]  # outputs carry these external ids
             for rid, p in zip(ids, prompt_ids):
                 self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(p)), params)
@@ -146,20 +153,25 @@ class VLLMEngine:
         finish: list[list[Optional[str]]] = [[None] * spec.n for _ in prompt_ids]
         v_start: list[list[Optional[int]]] = [[None] * spec.n for _ in prompt_ids]
         v_end = [[self.version] * spec.n for _ in prompt_ids]
+        open_samples = len(prompt_ids) * spec.n
         try:
-            while True:
+            while open_samples:
                 with self._lock:  # a weight update can take the lock between two steps
                     if self._abort.is_set():
                         self.engine.abort_request(ids)
                         break
-                    if not self.engine.has_unfinished_requests():
-                        break
-                    outputs = self.engine.step()
-                    version = self.version
-                for out in outputs:
-                    i = index.get(out.request_id)
-                    if i is None:
-                        continue
+                    # concurrent callers share the engine: whoever steps it routes the other
+                    # callers' outputs to their inboxes (DELTA outputs must never be dropped)
+                    mine = [o for rid in ids for o in self._inbox.pop(rid, [])]
+                    if not mine:
+                        if not self.engine.has_unfinished_requests():
+                            break
+                        version = self.version
+                        for out in self.engine.step():
+                            (mine if out.request_id in index else
+                             self._inbox.setdefault(out.request_id, [])).append((out, version))
+                for out, version in mine:
+                    i = index[out.request_id]
                     for c in out.outputs:
                         j = c.index
                         if c.token_ids:
@@ -168,18 +180,25 @@ class VLLMEngine:
                             if v_start[i][j] is None:
                                 v_start[i][j] = version
                             v_end[i][j] = version
-                        if c.finish_reason is not None:
+                        if c.finish_reason is not None and finish[i][j] is None:
+                            open_samples -= 1
                             finish[i][j] = "length" if c.finish_reason == "length" else (
                                 "abort" if c.finish_reason == "abort" else "stop")
         finally:
             with self._lock:
-                self._busy = False
-                if self.engine.has_unfinished_requests():  # an exception mid-request: leave the engine clean
+                self._active -= 1
+                for rid in ids:
+                    self._inbox.pop(rid, None)
+                if open_samples:  # aborted, or an exception mid-request: leave the engine clean
                     self.engine.abort_request(ids)
         return [[Completion(toks[i][j], lps[i][j], finish[i][j] or "abort",
                             policy_version=v_start[i][j] if v_start[i][j] is not None else v_end[i][j],
                             policy_version_end=v_end[i][j])
                  for j in range(spec.n)] for i in range(len(prompt_ids))]
+
+    @property
+    def _busy(self) -> bool:
+        return self._active > 0
 
     def abort(self) -> None:
         """Abort the in-flight request at the next step boundary (partial responses, ``abort``)."""

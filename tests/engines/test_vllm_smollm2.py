@@ -82,6 +82,27 @@ def test_sampled_behaviour_logprobs_match_recomputation(engines):
     assert diff < LOGPROB_TOL
 
 
+def test_concurrent_requests_get_their_own_tokens(engines):
+    """The generator actor serves overlapping requests (an evaluation sends all its chunks at
+    once): each caller must get exactly what it would get alone."""
+    v, h = engines
+    prompts = _chat_ids(h.tokenizer)
+    spec = SamplingSpec(n=1, greedy=True, max_new_tokens=24)
+    alone = [v.generate([p], spec)[0][0].token_ids for p in prompts]
+    together: dict[int, list[int]] = {}
+
+    def call(k):
+        together[k] = v.generate([prompts[k]], spec)[0][0].token_ids
+
+    threads = [threading.Thread(target=call, args=(k,)) for k in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert [together[k] for k in range(len(prompts))] == alone
+    assert v._active == 0 and not v._inbox
+
+
 def test_weight_update_resets_the_prefix_cache(engines, smollm2_model):
     """Generate on prompts sharing a long prefix (fills the prefix cache), broadcast different
     weights over gloo, generate again: every logprob must equal a recomputation under the NEW
