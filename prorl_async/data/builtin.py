@@ -19,7 +19,8 @@ Splits: every problem is assigned to ``train`` or ``eval`` by a stable hash of i
 problems of the other split. Rows may repeat within a split when ``n`` is large.
 
 ``generate(name, n, seed, split)`` with ``name`` one of :data:`GENERATORS` or
-``"multidomain"`` (domains interleaved in a fixed order).
+``"multidomain"`` (domains interleaved in a fixed order), or a :data:`STANDALONE` task
+(``chat-arith``: :mod:`prorl_async.data.chat_arith`, for a chat model).
 """
 
 from __future__ import annotations
@@ -389,18 +390,26 @@ GENERATORS: dict[str, Callable[[random.Random], dict]] = {
 }
 
 
+#: built-in tasks with a module of their own (``generate(n, seed, split)``), e.g. for a chat model
+STANDALONE: dict[str, str] = {"chat-arith": "prorl_async.data.chat_arith"}
+
+
 def generate(name: str, n: int, seed: int = 0, split: str = "train") -> list[dict]:
     """``n`` rows of built-in task ``name`` (a domain, or ``multidomain``) for ``split``."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
+    if name in STANDALONE:  # tasks with their own generator and verifier, not in the multidomain mix
+        import importlib
+
+        return importlib.import_module(STANDALONE[name]).generate(n, seed, split)
     if name == "multidomain":
         domains = list(GENERATORS)
     elif name in GENERATORS:
         domains = [name]
     else:
-        raise ValueError(f"unknown built-in task {name!r}; known: {['multidomain', *GENERATORS]}")
+        raise ValueError(f"unknown built-in task {name!r}; known: {['multidomain', *GENERATORS, *STANDALONE]}")
     rngs = {d: random.Random(f"builtin-{d}-{seed}-{split}") for d in domains}
     rows = []
     for i in range(n):

@@ -40,7 +40,7 @@ from prorl_async.data import layouts
 
 logger = logging.getLogger(__name__)
 
-NEEDS = {"math": "answer", "logic": "answer", "stem": "answer", "arithmetic": "answer",
+NEEDS = {"math": "answer", "logic": "answer", "stem": "answer", "arithmetic": "answer", "chat-arith": "answer",
          "code": "tests", "instruction": "constraints"}
 _JSON_COLUMNS = ("tests", "constraints", "meta", "choices")
 _MAX_LISTED = 20

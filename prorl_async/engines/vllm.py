@@ -11,6 +11,8 @@ the blocking ``LLM.generate``, so that between two engine steps the engine can
   version of its first and last token (``Completion.policy_version`` / ``policy_version_end``).
   Without in-flight updates staged weights are applied at the next request boundary, so each
   response comes from exactly one version.
+* After every applied update the prefix cache is reset (and, mid-request, the running requests
+  are preempted so that their KV is recomputed): KV computed with old weights is never served.
 
 Behaviour logprobs use ``logprobs_mode="processed_logprobs"``: the log-probability of each
 sampled token under the distribution it was sampled from, i.e. ``log_softmax(logits / T)``
@@ -26,6 +28,14 @@ parallel size ``tp`` takes ``tp`` consecutive ranks (``weight_sync_ranks``). TP 
 Modes: in-process (``in_process=True``: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni``
 executor, ~3 s start, used by tests) or the default multiprocess engine core (15-25 s start on
 CPU; callers need a ``if __name__ == "__main__":`` guard because the core is spawned).
+Concurrent ``generate`` calls (the generator actor serves several; an evaluation sends all
+its chunks at once) share one engine: whichever caller steps it routes the other callers'
+outputs to them. (Before, each caller dropped outputs of requests it did not own; with DELTA
+outputs those tokens were lost, which corrupted concurrent responses.)
+
+Logging: vLLM's INFO lines (hundreds per run) are quietened to WARNING in the engine's
+processes by default; ``PRORL_ASYNC_VLLM_LOG=info`` brings them back (:func:`quiet_vllm_logging`).
+
 Seeding: vLLM's CPU sampler dies on per-request seeds in large batches ("CPU Generator does
 not use offset"), so the *engine* is seeded once (``seed``) and ``SamplingSpec.seed`` is not
 used per request: samples are reproducible for a fixed sequence of requests, not per request.
@@ -43,9 +53,25 @@ import torch
 
 from prorl_async.engines.base import Completion, SamplingSpec
 from prorl_async.weight_sync import WeightSyncError, tensor_checksum
-from prorl_async.models import load_model, load_tokenizer
+from prorl_async.models import load_model, load_tokenizer, machine_dtype
 
 WORKER_EXTENSION = "prorl_async.engines.vllm_worker.WeightSyncWorkerExtension"
+LOG_ENV = "PRORL_ASYNC_VLLM_LOG"
+
+
+def quiet_vllm_logging() -> str:
+    """vLLM logs at WARNING unless ``$PRORL_ASYNC_VLLM_LOG`` (e.g. ``info``, ``debug``) says
+    otherwise; an explicit ``$VLLM_LOGGING_LEVEL`` wins. Set in the environment before vLLM is
+    imported, so the spawned engine-core and worker processes inherit it, and on the already
+    created ``vllm`` logger. Returns the level in force."""
+    import logging
+
+    level = (os.environ.get(LOG_ENV) or os.environ.get("VLLM_LOGGING_LEVEL") or "warning").upper()
+    if not isinstance(logging.getLevelName(level), int):
+        raise ValueError(f"${LOG_ENV}={os.environ.get(LOG_ENV)!r} is not a logging level; use debug, info or warning")
+    os.environ["VLLM_LOGGING_LEVEL"] = level
+    logging.getLogger("vllm").setLevel(level)
+    return level
 
 
 def checkpoint_manifest(model_path: str, dtype: str) -> list:
@@ -67,6 +93,8 @@ class VLLMEngine:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
         in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
         on_gpu = torch.cuda.is_available()
+        dtype = machine_dtype(dtype)
+        quiet_vllm_logging()
         from vllm import LLM
 
         kw = dict(model=model_path, dtype=dtype, seed=seed, enforce_eager=enforce_eager,
@@ -88,8 +116,10 @@ class VLLMEngine:
         self.version = 0
         self._lock = threading.RLock()   # one caller of the engine at a time; held per step, not per request
         self._abort = threading.Event()
-        self._busy = False
+        self._active = 0                 # generate() calls in flight (callers may overlap)
+        self._inbox: dict[str, list] = {}  # outputs stepped by one caller for another's request
         self._synced = False
+        self.prefix_cache_resets = 0
 
     # ------------------------------------------------------------------ generation
     def _params(self, spec: SamplingSpec):
@@ -110,9 +140,10 @@ class VLLMEngine:
         params = self._params(spec)
         tag = uuid.uuid4().hex[:10]
         with self._lock:
-            self._apply_staged()
-            self._abort.clear()
-            self._busy = True
+            if self._active == 0:  # staged weights wait until no response is half generated
+                self._apply_staged()
+                self._abort.clear()
+            self._active += 1
             ids = [f"{tag}-{i}" for i in range(len(prompt_ids))]  # outputs carry these external ids
             for rid, p in zip(ids, prompt_ids):
                 self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(p)), params)
@@ -122,20 +153,25 @@ class VLLMEngine:
         finish: list[list[Optional[str]]] = [[None] * spec.n for _ in prompt_ids]
         v_start: list[list[Optional[int]]] = [[None] * spec.n for _ in prompt_ids]
         v_end = [[self.version] * spec.n for _ in prompt_ids]
+        open_samples = len(prompt_ids) * spec.n
         try:
-            while True:
+            while open_samples:
                 with self._lock:  # a weight update can take the lock between two steps
                     if self._abort.is_set():
                         self.engine.abort_request(ids)
                         break
-                    if not self.engine.has_unfinished_requests():
-                        break
-                    outputs = self.engine.step()
-                    version = self.version
-                for out in outputs:
-                    i = index.get(out.request_id)
-                    if i is None:
-                        continue
+                    # concurrent callers share the engine: whoever steps it routes the other
+                    # callers' outputs to their inboxes (DELTA outputs must never be dropped)
+                    mine = [o for rid in ids for o in self._inbox.pop(rid, [])]
+                    if not mine:
+                        if not self.engine.has_unfinished_requests():
+                            break
+                        version = self.version
+                        for out in self.engine.step():
+                            (mine if out.request_id in index else
+                             self._inbox.setdefault(out.request_id, [])).append((out, version))
+                for out, version in mine:
+                    i = index[out.request_id]
                     for c in out.outputs:
                         j = c.index
                         if c.token_ids:
@@ -144,18 +180,25 @@ class VLLMEngine:
                             if v_start[i][j] is None:
                                 v_start[i][j] = version
                             v_end[i][j] = version
-                        if c.finish_reason is not None:
+                        if c.finish_reason is not None and finish[i][j] is None:
+                            open_samples -= 1
                             finish[i][j] = "length" if c.finish_reason == "length" else (
                                 "abort" if c.finish_reason == "abort" else "stop")
         finally:
             with self._lock:
-                self._busy = False
-                if self.engine.has_unfinished_requests():  # an exception mid-request: leave the engine clean
+                self._active -= 1
+                for rid in ids:
+                    self._inbox.pop(rid, None)
+                if open_samples:  # aborted, or an exception mid-request: leave the engine clean
                     self.engine.abort_request(ids)
         return [[Completion(toks[i][j], lps[i][j], finish[i][j] or "abort",
                             policy_version=v_start[i][j] if v_start[i][j] is not None else v_end[i][j],
                             policy_version_end=v_end[i][j])
                  for j in range(spec.n)] for i in range(len(prompt_ids))]
+
+    @property
+    def _busy(self) -> bool:
+        return self._active > 0
 
     def abort(self) -> None:
         """Abort the in-flight request at the next step boundary (partial responses, ``abort``)."""
@@ -180,6 +223,7 @@ class VLLMEngine:
             apply = self.inflight_weight_updates or not self._busy
             info = self._rpc("prorl_receive", apply)
             if info["applied"]:
+                self._after_update()
                 self.version = info["version"]
             self._synced = True
         return {"version": info["version"], "seconds": info["seconds"], "applied": info["applied"]}
@@ -190,7 +234,18 @@ class VLLMEngine:
         with self._lock:
             version = self._rpc("prorl_apply_staged")
             if version is not None:
+                self._after_update()
                 self.version = version
+
+    def _after_update(self) -> None:
+        """New weights are in: no KV computed with the old ones may be served again. Empties
+        vLLM's prefix cache (every chat prompt shares the template's system-prompt prefix, so
+        a stale cache would be hit on every request) and, mid-request (in-flight updates),
+        preempts the running requests so their KV is recomputed under the new weights."""
+        if not self.engine.reset_prefix_cache(reset_running_requests=self._busy):
+            raise WeightSyncError("vLLM refused to reset its prefix cache after a weight update; "
+                                  "KV computed with the old weights would be served")
+        self.prefix_cache_resets += 1
 
     def weights_checksum(self) -> tuple[int, float]:
         """(version, checksum in checkpoint layout) of the weights in use; applies staged ones."""

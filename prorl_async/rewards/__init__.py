@@ -101,7 +101,7 @@ def grade(row: dict, response: str, **options) -> Grade:
 
 
 def _register_builtins() -> None:
-    from prorl_async.rewards import arithmetic, code, instruction, logic, math, stem
+    from prorl_async.rewards import arithmetic, chat_arith, code, instruction, logic, math, stem
 
     register("arithmetic", arithmetic.verify)
     register("math", math.verify)
@@ -109,6 +109,7 @@ def _register_builtins() -> None:
     register("stem", stem.verify)
     register("logic", logic.verify)
     register("instruction", instruction.verify)
+    register("chat-arith", chat_arith.verify)
 
 
 _register_builtins()

@@ -26,13 +26,10 @@ def chat_tokenizer():
     return fast
 
 
-@pytest.mark.xfail(strict=True, reason="pending fix in actors/generator.py: encode_prompt returns "
-                   "list(apply_chat_template(..., tokenize=True)), which under transformers 5 (a BatchEncoding) "
-                   "is ['input_ids', 'attention_mask']; remove this mark when it returns the ids")
 def test_chat_prompts_of_humaneval_and_verl_rows_encode_to_template_ids(chat_tokenizer, tmp_path):
     import json
 
-    from actors.generator import encode_prompt
+    from prorl_async.engines.prompts import encode_prompt
 
     verl = {"data_source": "openai/gsm8k", "ability": "math",
             "prompt": [{"role": "user", "content": "What is 2+3?"}],

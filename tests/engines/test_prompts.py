@@ -1,0 +1,66 @@
+"""Prompt rows -> token ids (chat template, plain strings, models without a template), checked
+with a real chat model (SmolLM2-135M-Instruct) and the built-in tiny model (no template)."""
+
+from __future__ import annotations
+
+import pytest
+
+from prorl_async.engines.prompts import PromptError, encode_prompt
+from prorl_async.models import load_tokenizer
+
+MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
+
+
+def test_chat_messages_go_through_the_template_once(smollm2_model):
+    tok = load_tokenizer(smollm2_model)
+    ids = encode_prompt(tok, MESSAGES)
+    assert all(isinstance(t, int) for t in ids)
+    text = tok.decode(ids)
+    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                    "<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n")
+    start = tok.convert_tokens_to_ids("<|im_start|>")
+    assert ids[0] == start and ids.count(start) == 3  # special tokens once, not doubled by the tokenizer
+    # the same ids transformers' own tokenize=True path gives (whatever type it returns)
+    enc = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    assert ids == list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+
+
+def test_string_prompt_is_encoded_as_is(smollm2_model):
+    tok = load_tokenizer(smollm2_model)
+    assert encode_prompt(tok, "2+3=") == tok("2+3=")["input_ids"]
+
+
+def test_model_without_template_joins_contents(tiny_model):
+    tok = load_tokenizer(tiny_model)
+    assert not getattr(tok, "chat_template", None)
+    msgs = [{"role": "system", "content": "1+1="}, {"role": "user", "content": "2+3="}]
+    assert encode_prompt(tok, msgs) == tok("1+1=\n2+3=")["input_ids"]
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ([], "non-empty chat messages"),
+    (["2+3="], "non-empty chat messages"),
+    (42, "string or chat messages"),
+])
+def test_bad_prompt_is_one_clear_error(smollm2_model, prompt, match):
+    tok = load_tokenizer(smollm2_model)
+    with pytest.raises(PromptError, match=match) as e:
+        encode_prompt(tok, prompt, row_id="row-7")
+    assert "row-7" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_template_that_cannot_render_is_one_clear_error(smollm2_model):
+    tok = load_tokenizer(smollm2_model)
+    with pytest.raises(PromptError, match="chat template cannot render"):
+        encode_prompt(tok, [{"content": "no role"}], row_id="r")
+
+
+def test_hf_engine_answers_a_chat_prompt(smollm2_model):
+    from prorl_async.engines.base import SamplingSpec
+    from prorl_async.engines.hf import HFEngine
+
+    h = HFEngine(smollm2_model, dtype="float32")
+    out = h.generate([encode_prompt(h.tokenizer, [{"role": "user", "content": "What is the capital of France?"}])],
+                     SamplingSpec(n=1, greedy=True, max_new_tokens=16))[0][0]
+    assert "Paris" in h.tokenizer.decode(out.token_ids)
+    assert len(out.logprobs) == len(out.token_ids) and all(lp <= 0 for lp in out.logprobs)

