@@ -59,16 +59,17 @@ def mismatch_stats(learner_logprobs: torch.Tensor, behavior_logprobs: torch.Tens
 def mismatch_metrics(stats: torch.Tensor, prefix: str = "mismatch/") -> Dict[str, float]:
     """Metrics from (possibly summed) :func:`mismatch_stats`: ``{prefix}tokens``, ``kl_k3``,
     ``logprob_abs_diff_mean``, ``logprob_abs_diff_max``, ``is_outside_frac``. With no tokens
-    the means are NaN (nothing was measured), ``tokens`` is 0."""
+    only ``tokens`` (= 0) is reported: nothing was measured, and a 0 would read as agreement."""
     check_shape("mismatch_metrics", "stats", stats, (5,))
     tokens, k3, absd, outside, absmax = (float(x) for x in stats.tolist())
-    nan = float("nan")
+    if not tokens:
+        return {f"{prefix}tokens": 0.0}
     return {
         f"{prefix}tokens": tokens,
-        f"{prefix}kl_k3": k3 / tokens if tokens else nan,
-        f"{prefix}logprob_abs_diff_mean": absd / tokens if tokens else nan,
-        f"{prefix}logprob_abs_diff_max": absmax if tokens else nan,
-        f"{prefix}is_outside_frac": outside / tokens if tokens else nan,
+        f"{prefix}kl_k3": k3 / tokens,
+        f"{prefix}logprob_abs_diff_mean": absd / tokens,
+        f"{prefix}logprob_abs_diff_max": absmax,
+        f"{prefix}is_outside_frac": outside / tokens,
     }
 
 
