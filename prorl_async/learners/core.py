@@ -270,6 +270,28 @@ class LearnerCore:
             self._logprobs(model, b, slice(0, 1))
         return torch.cat(out)
 
+    def learner_step(self, table: pa.Table, step: Optional[int], stats_reduce=None) -> dict:
+        """One learner step on a rollout table, the same for both learners: prepare the batch,
+        update, step the LR schedule if the update was applied, advance the version, ask the
+        reference-reset policy, and report the step's metrics. The learner (``ops``) provides
+        ``version``, ``pad_id``, ``ref``, ``length_schedule``, ``ref_policy``, ``lr_sched``
+        and ``reset_reference``."""
+        o = self.ops
+        step = o.version if step is None else step
+        t0 = time.perf_counter()
+        b, shape_metrics = prepare_batch(table, o.pad_id, self.cfg, step, o.length_schedule, stats_reduce=stats_reduce)
+        metrics = self.train_step(b, o.ref, step, o.version)
+        if metrics["actor/updates"]:
+            o.lr_sched.step()
+        o.version += 1
+        cause = o.ref_policy.update(step, kl=metrics.get("kl/loss_term"))
+        if cause:
+            o.reset_reference(cause)
+        metrics.update(shape_metrics)
+        metrics["actor/lr"] = o.lr_sched.get_last_lr()[0]
+        metrics.update(batch_metrics(b, o.version, time.perf_counter() - t0, self.cfg.train.ppo_epochs, cause))
+        return metrics
+
     def train_step(self, b: dict, ref_model, step: int, version: int) -> dict:
         """One update on prepared batch ``b`` (:func:`prepare_batch`); returns metrics without
         the step-level ones (version, timing) that the learner adds."""

@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import time
 from typing import Optional
 
 import pyarrow as pa
@@ -164,23 +163,8 @@ class DeepSpeedLearner:
     # ------------------------------------------------------------------ one step
     def train_step(self, table: pa.Table, step: Optional[int] = None) -> dict:
         """One update on this rank's share of the groups; every rank must call it together."""
-        step = self.version if step is None else step
-        t0 = time.perf_counter()
-        b, shape_metrics = prepare_batch(table, self.pad_id, self.cfg, step, self.length_schedule,
-                                         stats_reduce=self._allreduce)
         self.engine.train()
-        metrics = self.core.train_step(b, self.ref, step, self.version)
-        if metrics["actor/updates"]:
-            self.lr_sched.step()
-        self.version += 1
-        cause = self.ref_policy.update(step, kl=metrics.get("kl/loss_term"))
-        if cause:
-            self.reset_reference(cause)
-        dt = time.perf_counter() - t0
-        metrics.update(shape_metrics)
-        metrics["actor/lr"] = self.lr_sched.get_last_lr()[0]
-        metrics.update(batch_metrics(b, self.version, dt, self.cfg.train.ppo_epochs, cause))
-        return metrics
+        return self.core.learner_step(table, step, stats_reduce=self._allreduce)
 
     # ------------------------------------------------------------------ reference, weights
     def _gathered(self):

@@ -10,7 +10,6 @@ reference copy, and its checkpoint state. The same class runs on CPU and CUDA.
 from __future__ import annotations
 
 import copy
-import time
 from typing import Optional
 
 import pyarrow as pa
@@ -79,21 +78,7 @@ class TorchLearner:
 
     # ------------------------------------------------------------------ one step
     def train_step(self, table: pa.Table, step: Optional[int] = None) -> dict:
-        step = self.version if step is None else step
-        t0 = time.perf_counter()
-        b, shape_metrics = prepare_batch(table, self.pad_id, self.cfg, step, self.length_schedule)
-        metrics = self.core.train_step(b, self.ref, step, self.version)
-        if metrics["actor/updates"]:
-            self.lr_sched.step()
-        self.version += 1
-        cause = self.ref_policy.update(step, kl=metrics.get("kl/loss_term"))
-        if cause:
-            self.reset_reference(cause)
-        dt = time.perf_counter() - t0
-        metrics.update(shape_metrics)
-        metrics["actor/lr"] = self.opt.param_groups[0]["lr"]
-        metrics.update(batch_metrics(b, self.version, dt, self.cfg.train.ppo_epochs, cause))
-        return metrics
+        return self.core.learner_step(table, step)
 
     # ------------------------------------------------------------------ reference, weights
     @torch.no_grad()
