@@ -1,8 +1,14 @@
 """Grader actor: scores a generated RecordBatch with the domain verifiers.
 
 A shell over :class:`prorl_async.rewards.pool.GraderPool` (worker processes, per-sample
-time limits enforced by killing). A grading failure marks the sample invalid with its
-reason; it is never scored as a wrong answer.
+time limits enforced by killing, hanging samples moved aside onto spare workers). A grading
+failure marks the sample invalid with its reason; it is never scored as a wrong answer.
+
+Grader health (issue 13): :meth:`GraderActor.metrics_since_last` returns a flat dict of
+``grader/*`` keys counted since its previous call (timeouts, errors, non-finite rewards, worker
+restarts, queue wait; per domain as ``grader/<name>/<domain>``) plus ``grader/<name>_total``
+totals; the driver merges it into each step's metrics. It runs in its own concurrency group, so
+it answers while a batch is being graded instead of queueing behind it.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from prorl_async.data.schema import with_columns
 from prorl_async.rewards.pool import GraderPool
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"health": 1})
 class GraderActor:
     def __init__(self, cfg):
         rc = cfg.reward
@@ -38,8 +44,15 @@ class GraderActor:
         return with_columns(batch, raw_reward=raw, reward_valid=[g.valid for g in grades],
                             grade_time_s=[dt] * len(grades), grade_reason=[g.reason for g in grades])
 
+    @ray.method(concurrency_group="health")
     def metrics(self) -> dict:
+        """Totals since the actor started."""
         return self.pool.metrics()
+
+    @ray.method(concurrency_group="health")
+    def metrics_since_last(self) -> dict:
+        """``grader/*`` counts since the previous call (one step), with ``_total`` totals."""
+        return self.pool.metrics_since_last()
 
     def close(self) -> None:
         self.pool.close()

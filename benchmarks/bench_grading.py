@@ -21,13 +21,23 @@ math caches are cleared before timing: the math verifier caches verdicts per (go
 so re-grading the same rows would flatter it. Repeated (gold, answer) pairs inside the timed
 batch do hit the cache, as the n samples of a group do in training.
 
-Output: a table, ``benchmarks/out/grading.json`` and ``benchmarks/out/grading.png``. The machine
-is shared: the load average at start is recorded with the numbers.
+Recovery from hanging samples (``--hangs``, issue 15): one ``grade_many`` batch of N responses
+that hang Math-Verify for real (``\\boxed{10^{10^{10}}}``: SymPy evaluates the power tower) spread
+among M normal (arithmetic) responses, through a pool with a ``--hang-timeout-s`` limit, once with the
+pool's fast recovery (hanging samples moved aside onto spare workers, their limits run side by
+side) and once with it switched off (``max_stalled=0, spare_workers=0``: each hang blocks its
+worker's chunk and a killed worker is replaced when its slot is next needed, the behaviour
+before), interleaved in one run. Reported: wall time in units of the limit.
+
+Output: a table, ``benchmarks/out/grading.json`` and ``benchmarks/out/grading.png``
+(``grading_hangs.json`` for ``--hangs``). The machine is shared: the load average at start is
+recorded with the numbers.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import io
 import sys
@@ -84,7 +94,79 @@ def parse_args(argv=None):
     p.add_argument("--timeout-s", type=float, default=10.0, help="GraderPool per-sample limit")
     p.add_argument("--out", default=str(OUT_DIR), help="output directory (default benchmarks/out)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hangs", default="",
+                   help="comma-separated counts N of hanging samples per batch: run the recovery benchmark "
+                        "(instead of the throughput one), e.g. 1,4,8")
+    p.add_argument("--hang-normal", type=int, default=200, help="normal (arithmetic) samples in each hang batch")
+    p.add_argument("--hang-timeout-s", type=float, default=2.0, help="pool limit in the hang benchmark")
+    p.add_argument("--repeats", type=int, default=2, help="hang benchmark: repeats of each (N, mode)")
     return p.parse_args(argv)
+
+
+def hang_batch(n_hang: int, n_normal: int, seed: int) -> tuple[list[dict], list[str], list[int]]:
+    """n_normal arithmetic samples (half right; cheap, so that the wall time is what the hangs
+    cost) with n_hang real Math-Verify hangs spread among them."""
+    rows, responses = make_batch("arithmetic", max(n_normal, 4), seed)
+    rows, responses = rows[:n_normal], responses[:n_normal]
+    step = max(1, len(rows) // max(n_hang, 1))
+    hangs = []
+    for k in range(n_hang):
+        at = min(k * step + k, len(rows))
+        rows.insert(at, {"id": f"hang{k}", "domain": "math", "prompt": "?", "answer": "2"})
+        responses.insert(at, "So the answer is \\boxed{10^{10^{10}}}.")
+        hangs.append(at)
+    return rows, responses, hangs
+
+
+def bench_hangs(args, info) -> None:
+    from prorl_async.rewards.pool import GraderPool
+
+    counts = [int(x) for x in args.hangs.split(",") if x]
+    modes = {"fast recovery (default)": {}, "serial (before: max_stalled=0, spare_workers=0)":
+             {"max_stalled": 0, "spare_workers": 0}}
+    warm_rows, warm_resp = map(sum, zip(make_batch("math", 20, args.seed, "train"),
+                                        make_batch("arithmetic", 20, args.seed, "train")), ([], []))
+    results = []
+    for rep in range(args.repeats):
+        for n_hang in counts:
+            order = list(modes.items()) if rep % 2 == 0 else list(reversed(modes.items()))
+            for label, kw in order:
+                rows, responses, hangs = hang_batch(n_hang, args.hang_normal, args.seed)
+                with GraderPool(num_workers=args.workers, timeout_s=args.hang_timeout_s, **kw) as pool:
+                    pool.grade_many(warm_rows, warm_resp)  # worker start-up and Math-Verify import
+                    t0 = time.perf_counter()
+                    grades = pool.grade_many(rows, responses)
+                    wall = time.perf_counter() - t0
+                    m = pool.metrics()
+                timed_out = sum(grades[i].reason == "timeout" for i in hangs)
+                normal = [g for i, g in enumerate(grades) if i not in set(hangs)]
+                normal_ok = sum(g.valid for g in normal)
+                bad = collections.Counter(g.reason for g in normal if not g.valid)
+                r = {"hangs": n_hang, "normal": len(rows) - n_hang, "mode": label, "repeat": rep,
+                     "wall_s": round(wall, 2), "limits": wall / args.hang_timeout_s,
+                     "timed_out": timed_out, "normal_valid": normal_ok,
+                     "restarts": m["grader/restarts"], "stalls": m["grader/stalls"],
+                     "normal_invalid_reasons": dict(bad)}
+                results.append(r)
+                print(f"N={n_hang:3d} M={r['normal']} {label:48s} {wall:6.2f} s = {r['limits']:.2f} limits "
+                      f"(timed out {timed_out}/{n_hang}, normal valid {normal_ok}/{r['normal']} {dict(bad) or ''})", flush=True)
+    summary = []
+    for n_hang in counts:
+        row = {"hangs": n_hang}
+        for label in modes:
+            walls = [r["wall_s"] for r in results if r["hangs"] == n_hang and r["mode"] == label]
+            row[label] = sum(walls) / len(walls) / args.hang_timeout_s
+        row["speed-up"] = row[list(modes)[1]] / row[list(modes)[0]]
+        summary.append(row)
+    print()
+    print(table(summary, [("hangs", "N hanging", "{}"),
+                          *((label, f"{label} [limits]", "{:.2f}") for label in modes),
+                          ("speed-up", "speed-up", "{:.1f}x")]))
+    print(f"\nlimit {args.hang_timeout_s} s, {args.workers} workers, {args.hang_normal} normal (arithmetic) samples; "
+          f"mean of {args.repeats} interleaved repeats\nmachine: {info}")
+    path = write_json("grading_hangs", {"machine": info, "args": vars(args), "results": results,
+                                        "summary": summary}, out_dir=Path(args.out))
+    print(f"wrote {path}")
 
 
 def make_batch(domain: str, n: int, seed: int, split: str = "eval") -> tuple[list[dict], list[str]]:
@@ -153,6 +235,8 @@ def main(argv=None):
     domains = [d for d in args.domains.split(",") if d]
     info = machine()
     info["sandbox_isolation"] = isolation_mode()
+    if args.hangs:
+        return bench_hangs(args, info)
     batches = {d: make_batch(d, max(4, int(DEFAULT_N[d] * args.scale)), args.seed) for d in domains}
     if "math" in batches:
         rows, responses = batches["math"]
