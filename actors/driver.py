@@ -1,13 +1,12 @@
 """The driver: generate -> grade -> buffer -> train -> broadcast, as long-lived actors.
 
-Long-lived actors do the work (:mod:`actors.cluster` starts and wires them); this loop only
-decides *when*. Rollout and training overlap under a staleness bound kept by admission
-control (:mod:`prorl_async.staleness`): a generator with weights of version ``v`` starts a
-request only while the groups consumed, live and requested fit into
-``(v + max_staleness + 1) * prompts_per_step``; the buffer re-checks the bound when it hands
-a batch out. ``max_staleness=0`` is the synchronous, strictly on-policy baseline through the
-same code. All loop state is one :class:`LoopState`, which is also what a checkpoint saves
-(:mod:`actors.checkpointing`); the run directory's files are written by :mod:`prorl_async.outputs`.
+Long-lived actors do the work (:mod:`actors.cluster` starts and wires them); this loop only decides
+*when*. Rollout and training overlap under a staleness bound kept by admission control
+(:mod:`prorl_async.staleness`): a generator with weights of version ``v`` starts a request only while
+the groups consumed, live and requested fit into ``(v + max_staleness + 1) * prompts_per_step``;
+the buffer re-checks the bound when it hands a batch out. ``max_staleness=0`` is the synchronous,
+strictly on-policy baseline through the same code. All loop state is one :class:`LoopState`, also what
+a checkpoint saves (:mod:`actors.checkpointing`); run-directory files: :mod:`prorl_async.outputs`.
 """
 
 from __future__ import annotations
@@ -218,7 +217,8 @@ class TrainingLoop:
         m.update(utilisation_metrics(now - s.t_start, s.train_busy_s, s.gen_busy_s, s.busy_s))
         m.update(s.last_sync)
         m.update(ray.get(self.actors.buffer.metrics.remote()))
-        m.update(ray.get(self.actors.grader.metrics_since_last.remote()))  # grader/* health since the last step
+        health = ray.get(self.actors.grader.metrics_since_last.remote())  # timeouts, errors, restarts, queue wait
+        m.update({k: v for k, v in health.items() if k.startswith("grader/")})
         m.update({f"reward/invalid_{reason}": v for reason, v in s.invalid_by_reason.items()})
         s.window = _sums()
         self.refill.step_done(now)

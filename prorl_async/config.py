@@ -87,7 +87,7 @@ class AlgoConfig:
     kl_kind: str = _f("k2", "KL estimator: k1, k2 or k3")
     entropy_coef: float = _f(0.0, "entropy bonus weight (0 disables it)")
     dynamic_sampling: bool = _f(True, "drop groups whose rewards are all equal and keep sampling")
-    max_refill_rounds: int = _f(10, "stop after this many refill rounds (prompts_per_step groups dropped) "
+    max_refill_rounds: int = _f(30, "stop after this many refill rounds (prompts_per_step groups dropped) "
                                     "without a train step, as verl's max_num_gen_batches (0 = unlimited)")
     length_penalty: bool = _f(False, "scheduled cosine length reward (Yeo et al. 2025) for gradable samples")
     length_on_steps: int = _f(50, "steps the length penalty stays on per cycle")

@@ -9,8 +9,10 @@ train batch; <= 0 means no bound); here the bound is ``algo.max_refill_rounds``.
 A **refill round** is ``train.prompts_per_step`` groups dropped (as all-correct, all-wrong or
 with too few valid samples) since the last completed train step: the prompts generated to
 replace a whole batch's worth of dropped groups. A run that drops nothing has 0 refill rounds,
-however far its rollouts run ahead under ``max_staleness``. ``max_refill_rounds=10`` stops a run
-after ten batches' worth of dropped groups without a step (0 = never stop).
+however far its rollouts run ahead under ``max_staleness``. The default ``max_refill_rounds=30``
+stops a run after thirty batches' worth of dropped groups without a step, i.e. when fewer than
+about 1 in 31 groups carries signal (0 = never stop); a weak but learning policy (the tiny test
+model keeps about 1 group in 10) is not stopped. verl's DAPO recipe sets 10 generation batches.
 
 While groups are being dropped and no step completes, :meth:`RefillWatch.report` gives a console
 line at most every ``report_every_s`` seconds (the first one as soon as a round is complete).
