@@ -1,8 +1,9 @@
-"""``prorl-async``: train | config | compare (the command-line entry point, above the Ray layer).
+"""``prorl-async``: train | eval | config | compare (the command-line entry point, above the Ray layer).
 
     prorl-async train                                   # the embedded default (tiny CPU run)
     prorl-async train --config configs/x.yaml algo.clip_eps_high=0.28 rollout.n=8
     prorl-async train --resume runs/x train.total_steps=400   # continue from its newest checkpoint
+    prorl-async eval --model runs/x --data builtin:humaneval --samples 4 --out r.json   # pass@1 / pass@k, no training
     prorl-async config [--config X] [overrides]         # print the resolved config / field docs
     prorl-async compare runs/a runs/b --out cmp.png     # runs side by side (run dirs or Aim hashes)
 
@@ -44,6 +45,25 @@ def _train(args) -> int:
     return 0 if summary else 1
 
 
+def _eval(args) -> int:
+    from actors.offline_eval import model_override, run_eval  # Ray is imported only when a run starts
+
+    if args.samples < 1 or args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise ValueError("--samples and --max-new-tokens must be >= 1")
+    extra = [model_override(args.model), f"data.eval={args.data}"]
+    if args.max_new_tokens:
+        extra.append(f"rollout.max_new_tokens={args.max_new_tokens}")
+    cfg = load_config(args.config, [*args.overrides, *extra])
+    from actors.cluster import RunError
+
+    try:
+        run_eval(cfg, args.data, args.samples, out=args.out, aim=args.aim)
+    except RunError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _config(args) -> int:
     import yaml
 
@@ -71,6 +91,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "only fields that do not change the math or data, e.g. train.total_steps)")
     t.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. rollout.n=8")
     t.set_defaults(fn=_train)
+    e = sub.add_parser("eval", help="pass@1 / pass@k of a model on a dataset, per domain (no training)")
+    e.add_argument("--model", required=True, help="HF folder, builtin:tiny-arith, a run directory or a checkpoint")
+    e.add_argument("--data", required=True, help="any source data.eval accepts (file, builtin:...)")
+    e.add_argument("--samples", type=int, default=4, help="samples per prompt: pass@1 is their mean, pass@K any")
+    e.add_argument("--max-new-tokens", type=int, default=None, help="response length (default: rollout.max_new_tokens)")
+    e.add_argument("--out", default="", help="write the results as JSON (keys pass@1, pass@1/<domain>, pass@K ...)")
+    e.add_argument("--aim", action="store_true", help="also log to an Aim run (tracking.aim_repo)")
+    e.add_argument("--config", help="YAML config: engine, sampling, grader settings")
+    e.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. rollout.temperature=0.6")
+    e.set_defaults(fn=_eval)
     c = sub.add_parser("config", help="print the resolved config, or --docs for every field")
     c.add_argument("--config")
     c.add_argument("--docs", action="store_true", help="list every field with its default and doc")

@@ -1,13 +1,12 @@
 """The driver: generate -> grade -> buffer -> train -> broadcast, as long-lived actors.
 
-Long-lived actors do the work (:mod:`actors.cluster` starts and wires them); this loop only
-decides *when*. Rollout and training overlap under a staleness bound kept by admission
-control (:mod:`prorl_async.staleness`): a generator with weights of version ``v`` starts a
-request only while the groups consumed, live and requested fit into
-``(v + max_staleness + 1) * prompts_per_step``; the buffer re-checks the bound when it hands
-a batch out. ``max_staleness=0`` is the synchronous, strictly on-policy baseline through the
-same code. All loop state is one :class:`LoopState`, which is also what a checkpoint saves
-(:mod:`actors.checkpointing`); the run directory's files are written by :mod:`prorl_async.outputs`.
+Long-lived actors do the work (:mod:`actors.cluster` starts and wires them); this loop only decides
+*when*. Rollout and training overlap under a staleness bound kept by admission control
+(:mod:`prorl_async.staleness`): a generator with weights of version ``v`` starts a request only while
+the groups consumed, live and requested fit into ``(v + max_staleness + 1) * prompts_per_step``;
+the buffer re-checks the bound when it hands a batch out. ``max_staleness=0`` is the synchronous,
+strictly on-policy baseline through the same code. All loop state is one :class:`LoopState`, also what
+a checkpoint saves (:mod:`actors.checkpointing`); run-directory files: :mod:`prorl_async.outputs`.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from prorl_async.data.source import PromptSource
 from prorl_async.metrics import domain_metrics, rollout_metrics, utilisation_metrics
 from prorl_async.models import resolve_model_path
 from prorl_async.outputs import format_table, prepare_run_dir, write_final
+from prorl_async.refill import RefillWatch
 from prorl_async.staleness import plan_requests
 from prorl_async.tracking import Tracker, progress_line
 
@@ -93,6 +93,7 @@ class TrainingLoop:
         self.s = LoopState(gen_version=[0] * g, gen_busy=[False] * g, gen_busy_s=[0.0] * g, gen_started=[0.0] * g,
                            before=dict(before or {}))
         self.s.t_start = self.s.t_last_step = self.s.last_progress = time.time()
+        self.refill = RefillWatch(cfg.train.prompts_per_step, cfg.algo.max_refill_rounds, self.s.t_start)
 
     # ------------------------------------------------------------ the loop
     def run(self) -> list[dict]:
@@ -158,6 +159,8 @@ class TrainingLoop:
             s.invalid_by_reason[reason.split(":")[0]] += count
             w[f"invalid_reason/{reason}"] += count
         s.busy_s["grade"] += info["stats"].get("grade_time_s", 0.0)
+        if why := self.refill.observe(info, s.version, time.time()):  # groups dropped by dynamic sampling
+            raise RunError(why)  # refilled algo.max_refill_rounds times without a full batch
         # judged over a batch's worth of samples, so one unlucky request does not stop a run
         n, bad = w["samples"], w["samples"] - w["valid"]
         if n >= self.cfg.samples_per_step and bad / n > self.cfg.reward.max_invalid_frac:
@@ -214,8 +217,11 @@ class TrainingLoop:
         m.update(utilisation_metrics(now - s.t_start, s.train_busy_s, s.gen_busy_s, s.busy_s))
         m.update(s.last_sync)
         m.update(ray.get(self.actors.buffer.metrics.remote()))
+        health = ray.get(self.actors.grader.metrics_since_last.remote())  # timeouts, errors, restarts, queue wait
+        m.update({k: v for k, v in health.items() if k.startswith("grader/")})
         m.update({f"reward/invalid_{reason}": v for reason, v in s.invalid_by_reason.items()})
         s.window = _sums()
+        self.refill.step_done(now)
         self.tracker.track(m, s.version)
         s.history.append({"step": s.version, "time": now - s.t_start, **m})
         print(progress_line(s.version, self.cfg.train.total_steps, m, s.t_start), flush=True)
@@ -229,8 +235,10 @@ class TrainingLoop:
     def evaluate_held_out(self) -> None:
         s, t0 = self.s, time.time()
         val = evaluate(self.cfg, self.actors, self.eval_rows, s.version, self.tracker)
+        reset = ray.get(self.actors.learner.observe_validation.remote(s.version, val["val/pass@1"]))  # stalled?
+        self.tracker.track(reset, s.version)  # ref/reset_val_stall: ProRL resets the reference on a stall
         s.busy_s["eval"] += time.time() - t0
-        s.history[-1].update({**val, "val/time": time.time() - s.t_start})
+        s.history[-1].update({**val, **reset, "val/time": time.time() - s.t_start})
         s.last_eval = s.version
 
     def checkpoint_due(self) -> bool:
@@ -303,6 +311,8 @@ def run(cfg: Config, resume=None) -> dict:
                           config_to_dict(cfg), enabled=cfg.tracking.enabled, run_hash=checkpointing.aim_hash(resume))
         actors = Actors.start(cfg, model_path, name=f"prorl-{run_dir.name}")
         before = {} if resume is not None else held_out(cfg, actors, eval_rows, 0, tracker)
+        if before:  # the first held-out score the reference-reset policy sees
+            ray.get(actors.learner.observe_validation.remote(0, before["val/pass@1"]))
         loop = TrainingLoop(cfg, actors, source, tracker, eval_rows, run_dir, model_path, before)
         if resume is not None:
             checkpointing.restore(loop, resume)

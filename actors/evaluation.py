@@ -12,21 +12,23 @@ import ray
 
 from prorl_async.config import Config
 from prorl_async.metrics import pass_at_k
-from prorl_async.tracking import Tracker
+from prorl_async.tracking import Tracker, bar
 
 from actors.cluster import Actors
 
 
-def evaluate(cfg: Config, actors: Actors, rows: list[dict], step: int, tracker: Tracker, greedy: bool = False) -> dict:
-    """Held-out pass@1 (mean over samples) and pass@k, overall and per domain."""
-    n, chunk = (1 if greedy else cfg.train.eval_samples), cfg.rollout.prompts_per_request
+def evaluate(cfg: Config, actors: Actors, rows: list[dict], step: int, tracker: Tracker, greedy: bool = False,
+             show: bool = False, samples: int = 0) -> dict:
+    """Held-out pass@1 (mean over samples) and pass@k, overall and per domain; ``show``: a
+    progress bar; ``samples``: per prompt, instead of ``train.eval_samples``."""
+    n, chunk = (1 if greedy else samples or cfg.train.eval_samples), cfg.rollout.prompts_per_request
     refs = []
     for i in range(0, len(rows), chunk):
         part, gen = rows[i:i + chunk], actors.generators[(i // chunk) % len(actors.generators)]
         seed = cfg.train.seed * 1_000_003 + 7919 * i + 17  # same seeds at every evaluation
         refs.append(actors.grader.grade.remote(part, gen.generate.remote(part, n, seed, greedy)))
     samples, texts = [], []
-    for b in ray.get(refs):
+    for b in gather(refs, f"{'greedy' if greedy else 'sampled'} held-out evaluation, step {step}" if show else ""):
         d = b.to_pydict()
         for pid, dom, rew, valid, text in zip(d["prompt_id"], d["domain"], d["raw_reward"], d["reward_valid"],
                                               d["response_text"]):
@@ -41,5 +43,15 @@ def evaluate(cfg: Config, actors: Actors, rows: list[dict], step: int, tracker: 
 
 
 def held_out(cfg: Config, actors: Actors, rows: list[dict], step: int, tracker: Tracker) -> dict:
-    """The before/after table's metrics: sampled pass@1 and pass@k, and greedy pass@1."""
-    return {**evaluate(cfg, actors, rows, step, tracker), **evaluate(cfg, actors, rows, step, tracker, greedy=True)}
+    """The before/after table's metrics: sampled pass@1 and pass@k, and greedy pass@1 (with bars)."""
+    return {**evaluate(cfg, actors, rows, step, tracker, show=True),
+            **evaluate(cfg, actors, rows, step, tracker, greedy=True, show=True)}
+
+
+def gather(refs: list, label: str = "") -> list:
+    """``ray.get(refs)`` in order; with a ``label``, a progress bar as the chunks finish."""
+    pending = list(refs)
+    while label and pending:
+        _, pending = ray.wait(pending, num_returns=1)
+        bar(label, len(refs) - len(pending), len(refs))
+    return ray.get(refs)

@@ -22,6 +22,14 @@ def local_ip() -> str:
         return "127.0.0.1"
 
 
+def optimizer_state_size(learner) -> float:
+    """Parameters holding optimizer state (AdamW moments): 0 right after a reset that cleared it."""
+    opt = learner.opt
+    while not isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "optimizer"):  # DeepSpeed's wrappers
+        opt = opt.optimizer
+    return float(len(opt.state)) if isinstance(opt, torch.optim.Optimizer) else float("nan")
+
+
 @ray.remote
 class LearnerActor:
     def __init__(self, cfg, model_path: str, rank: int = 0, world_size: int = 1, master: tuple = ("127.0.0.1", 0)):
@@ -50,7 +58,7 @@ class LearnerActor:
         return True
 
     def train_step(self, table, step: int) -> dict:
-        return self.learner.train_step(table, step)
+        return {**self.learner.train_step(table, step), "actor/optimizer_state_params": optimizer_state_size(self.learner)}
 
     def train_shard(self, table, step: int, world_size: int) -> dict:
         """Train on this rank's groups of the whole batch (read from the object store, zero-copy)."""
@@ -63,8 +71,11 @@ class LearnerActor:
     def weights_checksum(self) -> tuple[int, float]:
         return self.learner.version, tensor_checksum([t for _, t in self.learner.named_tensors()])
 
-    def observe_validation(self, step: int, score: float):
-        return self.learner.observe_validation(step, score)
+    def observe_validation(self, step: int, score: float) -> dict:
+        """The held-out score to the reference-reset policy; ``ref/reset_<cause>`` if it reset."""
+        cause = self.learner.observe_validation(step, score)
+        return {"ref/reset": 1.0, f"ref/reset_{cause}": 1.0,
+                "actor/optimizer_state_params": optimizer_state_size(self.learner)} if cause else {}
 
     def save_model(self, path: str) -> str:
         if hasattr(self.learner, "save_model"):

@@ -66,6 +66,7 @@ class ReplayBuffer:
             raise ValueError("replay buffer: batch does not have the rollout schema "
                              f"(got columns {batch.schema.names})")
         kept = dropped = invalid = 0
+        why = Counter()  # dropped groups by reason: invalid, all_correct, all_wrong
         keys = pc.binary_join_element_wise(batch.column("request_id"), batch.column("prompt_id"), "/")
         keys_np = np.asarray(keys.to_pylist(), dtype=object)
         valid = np.asarray(batch.column("reward_valid").to_pylist(), dtype=bool)
@@ -83,10 +84,13 @@ class ReplayBuffer:
             reason = uninformative_reason(raw[idx], valid[idx], DEFAULT_TOL)
             if reason == "too_few_valid":
                 self.counters["groups_dropped_invalid"] += 1
+                why["invalid"] += 1
                 dropped += 1
                 continue
             if self.dynamic_sampling and reason == "all_equal":
-                self.counters["groups_dropped_all_correct" if raw[good].max() > 0 else "groups_dropped_all_wrong"] += 1
+                kind = "all_correct" if raw[good].max() > 0 else "all_wrong"
+                self.counters[f"groups_dropped_{kind}"] += 1
+                why[kind] += 1
                 dropped += 1
                 continue
             contiguous = good[-1] - good[0] + 1 == len(good)  # the usual case: a zero-copy slice
@@ -94,7 +98,7 @@ class ReplayBuffer:
             heapq.heappush(self._heap, (int(versions[good].min()), next(self._seq), rows))
             self.counters["groups_kept"] += 1
             kept += 1
-        return {"kept": kept, "dropped": dropped, "invalid_samples": invalid, "size": len(self._heap),
+        return {"kept": kept, "dropped": dropped, "dropped_by": dict(why), "invalid_samples": invalid, "size": len(self._heap),
                 "invalid_reasons": dict(Counter(np.asarray(batch.column("grade_reason").to_pylist())[~valid].tolist())),
                 "stats": rollout_stats(batch)}
 

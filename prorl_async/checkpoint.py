@@ -300,3 +300,18 @@ def resume_config(ckpt: Checkpoint, run_dir, overrides: list[str]):
             f"cannot resume {run_dir} with a different {', '.join(refused)} (the checkpoint was trained with "
             f"other values); a resumed run may change only {', '.join(m.rstrip('.') + ('.*' if m.endswith('.') else '') for m in RESUME_MUTABLE)}")
     return cfg
+
+
+def policy_folder(path) -> Path:
+    """The HF model folder a path names, for ``prorl-async eval --model``: an HF folder itself, a
+    checkpoint (its ``policy/``), or a run directory (its newest checkpoint's ``policy/``, which
+    carries the tokenizer; else its ``final/``). Other paths come back unchanged."""
+    p = Path(path)
+    if (p / "config.json").is_file():
+        return p
+    if (p / "policy" / "config.json").is_file():
+        return p / "policy"
+    for ckpt in reversed(list_checkpoints(p)):
+        if (ckpt / "policy" / "config.json").is_file():
+            return ckpt / "policy"
+    return p / "final" if (p / "final" / "config.json").is_file() else p

@@ -87,6 +87,8 @@ class AlgoConfig:
     kl_kind: str = _f("k2", "KL estimator: k1, k2 or k3")
     entropy_coef: float = _f(0.0, "entropy bonus weight (0 disables it)")
     dynamic_sampling: bool = _f(True, "drop groups whose rewards are all equal and keep sampling")
+    max_refill_rounds: int = _f(30, "stop after this many refill rounds (prompts_per_step groups dropped) "
+                                    "without a train step, as verl's max_num_gen_batches (0 = unlimited)")
     length_penalty: bool = _f(False, "scheduled cosine length reward (Yeo et al. 2025) for gradable samples")
     length_on_steps: int = _f(50, "steps the length penalty stays on per cycle")
     length_off_steps: int = _f(50, "steps the length penalty stays off per cycle")
@@ -327,6 +329,7 @@ def validate(cfg: Config) -> None:
     _require(a.is_low <= a.is_high, "algo.is_low", f"must be <= algo.is_high ({a.is_low} > {a.is_high})")
     _one_of(a.overlong, OVERLONG_MODES, "algo.overlong")
     _require(a.kl_coef >= 0, "algo.kl_coef", f"must be >= 0, got {a.kl_coef}")
+    _require(a.max_refill_rounds >= 0, "algo.max_refill_rounds", f"must be >= 0 (0 = unlimited), got {a.max_refill_rounds}")
     _require(cfg.model.dtype in ("auto", "float32", "bfloat16"), "model.dtype",
              f"must be auto, float32 or bfloat16, got {cfg.model.dtype!r}")
     _require(cfg.reward.num_workers >= 1, "reward.num_workers", f"must be >= 1, got {cfg.reward.num_workers}")

@@ -67,15 +67,40 @@ class Tracker:
             self.run = None
 
 
+def eta_s(step: int, total: int, elapsed: float, start_step: int = 0) -> Optional[float]:
+    """Seconds left at the mean pace of the steps done in this process (``start_step``: where it
+    began, a resumed run's checkpoint step); None before the first step."""
+    done = step - start_step
+    if done <= 0 or elapsed < 0:
+        return None
+    return elapsed / done * max(total - step, 0)
+
+
+def duration(s: Optional[float]) -> str:
+    """``42s``, ``3m05s``, ``1h02m`` (``-`` for None)."""
+    if s is None or not math.isfinite(s):
+        return "-"
+    s = int(round(s))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
 def progress_line(step: int, total: int, m: dict, t_start: float) -> str:
+    """One step's console line, ending with the elapsed time and the estimated time left at the
+    run's mean pace so far (a resumed run's ``t_start`` already counts its earlier time)."""
     def g(k, fmt="{:.3f}"):
         v = m.get(k)
         return fmt.format(v) if isinstance(v, (int, float)) and math.isfinite(v) else "-"
 
+    now = time.time()
+    left = eta_s(step, total, now - t_start)
     return (f"step {step:>4}/{total}  reward {g('reward/mean')}  acc {g('reward/accuracy')}  "
             f"kl {g('kl/loss_term', '{:.2e}')}  stale {g('async/trained_staleness_max', '{:.0f}')}  "
             f"gen {g('perf/gen_tok_s', '{:.0f}')} tok/s  train {g('perf/train_tok_s', '{:.0f}')} tok/s  "
-            f"[{time.time() - t_start:.0f}s]")
+            f"[{duration(now - t_start)} elapsed, ~{duration(left)} left]")
 
 
 def bar(label: str, done: int, total: int, width: int = 30, final: bool = False) -> None:

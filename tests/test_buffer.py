@@ -34,6 +34,7 @@ def test_put_keeps_informative_groups_and_drops_the_rest():
     }))
     assert info["kept"] == 2 and info["dropped"] == 3 and info["invalid_samples"] == 3
     assert info["invalid_reasons"] == {"timeout": 3}
+    assert info["dropped_by"] == {"all_correct": 1, "all_wrong": 1, "invalid": 1}  # what the refill watch counts
     m = buf.metrics()
     assert m["sampling/groups_dropped_all_correct"] == 1 and m["sampling/groups_dropped_all_wrong"] == 1
     assert m["sampling/groups_dropped_invalid"] == 1

@@ -55,6 +55,10 @@ def test_cli_run_both_modes(tmp_path, model_cache, staleness):
     values = metrics[("reward/mean", ())]
     assert len(values) == 4 and all(math.isfinite(v) for v in values)
     assert ("val/pass@1", (("split", "eval"),)) in metrics
+    # grader health at every step: responses graded since the last step, and the failure counters
+    assert all(h["grader/responses"] > 0 and h["grader/timeouts"] == 0 for h in history)
+    for name in ("grader/responses", "grader/timeouts", "grader/errors", "grader/restarts", "grader/queue_wait_s"):
+        assert len(metrics[(name, ())]) == 4, name
     domains = {dict(ctx).get("domain") for name, ctx in metrics if name == "reward/accuracy"} - {None}
     if staleness:  # per-domain reward and accuracy of the mix, under Aim's `domain` context
         assert {"arithmetic", "code", "math"} <= domains or len(domains) >= 4, domains

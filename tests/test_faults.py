@@ -82,8 +82,9 @@ def test_diverging_learner_skips_non_finite_updates_then_stops(ray_cluster, tmp_
     # lr=1e30 blows the weights up after one update: every later loss is NaN and is skipped
     from prorl_async.checkpoint import load_latest
 
+    # the blown-up policy is never right, so dynamic sampling refills without end: no refill bound here
     cfg = _cfg(tmp_path, model_cache, "train.total_steps=20", "train.lr=1e30", "train.max_skipped_steps=3",
-               "train.mini_batches=1", "train.eval_interval=0")
+               "train.mini_batches=1", "train.eval_interval=0", "algo.max_refill_rounds=0")
     with pytest.raises(RunError, match="non-finite"):
         run(cfg)
     # the run stopped with a checkpoint of its last state, which a resume can load

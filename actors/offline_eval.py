@@ -1,0 +1,80 @@
+"""``prorl-async eval``: pass@1 and pass@k of a model on a dataset, no training (issue 13).
+
+The same generators and grader as a training run's held-out evaluation
+(:func:`actors.evaluation.evaluate`): ``--samples`` samples per prompt from the configured
+engine at ``rollout.temperature``, graded by the domain verifiers; pass@1 is the mean
+correctness over the samples of a prompt, pass@k whether any of them is correct
+(:func:`prorl_async.metrics.pass_at_k`). Only generators and the grader are started (no
+learner, no buffer, no weight sync); an Aim run only with ``--aim``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import time
+from pathlib import Path
+
+import ray
+
+from prorl_async.checkpoint import policy_folder
+from prorl_async.config import Config, config_to_dict
+from prorl_async.data.datasets import load_source
+from prorl_async.models import BUILTIN_PREFIX, resolve_model_path
+from prorl_async.tracking import Tracker
+
+from actors.cluster import Actors, generator_placement, get, init_ray
+from actors.evaluation import evaluate
+from actors.generator import GeneratorActor
+from actors.grader import GraderActor
+
+
+def model_override(model: str) -> str:
+    """``model.path=...`` for MODEL: a ``builtin:`` name, an HF folder, a checkpoint or a run directory."""
+    return f"model.path={model if model.startswith(BUILTIN_PREFIX) else policy_folder(model)}"
+
+
+def report(result: dict, k: int) -> str:
+    """pass@1 and pass@k per domain (``all`` first), one row each."""
+    domains = ["all"] + sorted({key.split("/", 1)[1] for key in result if key.startswith("pass@1/")})
+    rows = [f"{'domain':<16}{'pass@1':>10}{f'pass@{k}':>10}"]
+    for d in domains:
+        suffix = "" if d == "all" else f"/{d}"
+        rows.append(f"{d:<16}{result[f'pass@1{suffix}']:>10.3f}{result.get(f'pass@{k}{suffix}', float('nan')):>10.3f}")
+    return "\n".join(rows)
+
+
+def run_eval(cfg: Config, data: str, samples: int, out: str = "", aim: bool = False) -> dict:
+    """Evaluate ``cfg.model.path`` on ``data``; prints the table, writes ``out`` (JSON) if given."""
+    t0 = time.time()
+    model_path = resolve_model_path(cfg.model, seed=cfg.train.seed)
+    for module in cfg.reward.extra_modules:  # custom verifiers register their domains on import
+        importlib.import_module(module)
+    rows = load_source(data, cfg.data)
+    if not rows:
+        raise ValueError(f"--data {data}: no rows")
+    started = init_ray(cfg)
+    actors, tracker = None, Tracker(cfg.tracking.aim_repo, cfg.tracking.experiment, cfg.tracking.run_name or "eval",
+                                    config_to_dict(cfg), enabled=aim)
+    try:
+        placed = [generator_placement(cfg, i) for i in range(cfg.rollout.num_generators)]
+        gens = [GeneratorActor.options(**opts).remote(cfg, model_path, i) for i, (opts, _) in enumerate(placed)]
+        actors = Actors(gens, GraderActor.options(num_cpus=0).remote(cfg), None, None,
+                        [pg for _, pg in placed if pg is not None])
+        get([g.ready.remote() for g in gens] + [actors.grader.ready.remote()], 600, "starting the actors")
+        val = evaluate(cfg, actors, rows, 0, tracker, show=True, samples=samples)
+    finally:
+        tracker.close()
+        if actors is not None:
+            actors.shutdown()
+        if started:
+            ray.shutdown()
+    result = {key.split("/", 1)[1]: v for key, v in val.items()}  # val/pass@1/math -> pass@1/math
+    result.update({"model": cfg.model.path, "data": data, "prompts": len(rows), "samples": samples,
+                   "wall_time_s": time.time() - t0, "aim_run_hash": tracker.hash})
+    print(report(result, samples), flush=True)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out}", flush=True)
+    return result

@@ -1,0 +1,60 @@
+"""``prorl-async eval`` through the real CLI: a verl parquet and builtin:humaneval, no training."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from prorl_async.checkpoint import policy_folder
+from prorl_async.data.arithmetic import generate
+from tests.conftest import cli
+
+
+def test_eval_a_builtin_model_on_a_verl_parquet(tmp_path, model_cache):
+    records = [{"data_source": "tiny/arith", "prompt": [{"role": "user", "content": r["prompt"]}],
+                "ability": "arithmetic", "reward_model": {"style": "rule", "ground_truth": r["answer"]},
+                "extra_info": {"index": k, "split": "test"}}
+               for k, r in enumerate(generate(24, 3, "eval"))]
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "test.parquet")
+    res = cli("eval", "--model", "builtin:tiny-arith", "--data", str(tmp_path / "test.parquet"), "--samples", "3",
+              "--out", "r.json", "model.warmup_steps=200", f"model.cache_dir={model_cache}", "ray.num_cpus=2",
+              f"tracking.aim_repo={tmp_path / 'aim'}", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["prompts"] == 24 and r["samples"] == 3
+    # the warmed-up model solves some of the problems, sampled three times each: pass@3 >= pass@1 > 0
+    assert 0 < r["pass@1"] <= r["pass@3"] <= 1 and r["pass@1/arithmetic"] == r["pass@1"]
+    assert "pass@1" in res.stdout and "arithmetic" in res.stdout and "wrote r.json" in res.stdout
+    assert not (tmp_path / "aim").exists() and r["aim_run_hash"] is None  # no Aim run unless --aim
+    assert not list(tmp_path.glob("runs*"))  # nor a training run directory
+
+
+def test_eval_humaneval_with_the_tiny_model_completes(tmp_path, model_cache):
+    res = cli("eval", "--model", "builtin:tiny-arith", "--data", "builtin:humaneval?n=6", "--samples", "2",
+              "--max-new-tokens", "8", "--out", str(tmp_path / "he.json"), "model.warmup_steps=200",
+              f"model.cache_dir={model_cache}", "ray.num_cpus=2", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    r = json.loads((tmp_path / "he.json").read_text())
+    assert r["prompts"] == 6 and r["pass@1/code"] == r["pass@1"] and 0 <= r["pass@2/code"] <= 1
+
+
+def test_eval_model_may_be_a_run_directory_or_a_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    for d in ("final", "checkpoints/step-000002/policy", "checkpoints/step-000004/policy"):
+        (run / d).mkdir(parents=True)
+        (run / d / "config.json").write_text("{}")
+    newest = run / "checkpoints/step-000004/policy"
+    assert policy_folder(run) == newest  # the newest checkpoint's policy carries the tokenizer
+    assert policy_folder(run / "checkpoints/step-000002") == run / "checkpoints/step-000002/policy"
+    assert policy_folder(newest) == newest
+    (tmp_path / "only_final" / "final").mkdir(parents=True)
+    (tmp_path / "only_final" / "final" / "config.json").write_text("{}")
+    assert policy_folder(tmp_path / "only_final") == tmp_path / "only_final" / "final"
+
+
+def test_eval_bad_arguments_are_one_error_line(tmp_path):
+    res = cli("eval", "--model", str(tmp_path / "nope"), "--data", "builtin:humaneval", cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.startswith("error: ") and "Traceback" not in res.stderr
+    assert "nope" in res.stderr
