@@ -35,8 +35,8 @@ def test_each_reference_reset_cause_in_a_real_run(tmp_path, model_cache, cause):
             assert h["ref/reset"] == 1.0 and h["actor/optimizer_state_params"] == 0.0
         elif not any(h.get(f"ref/reset_{c}") for c in RESETS):
             assert h["actor/optimizer_state_params"] > 0.0
-    if cause == "interval":  # the learner counts steps from 0: its 4th update is "3 steps since the reset"
-        assert reset_steps == [4]
+    if cause == "interval":  # every 3 policy versions: after the 3rd and the 6th update
+        assert reset_steps == [3, 6]
     if cause == "val_stall":  # step 2 repeats the score before training; after the reset, step 4 is a new best
         assert reset_steps == [2]
         assert history[1]["val/pass@1"] == history[3]["val/pass@1"]

@@ -284,7 +284,8 @@ class LearnerCore:
         if metrics["actor/updates"]:
             o.lr_sched.step()
         o.version += 1
-        cause = o.ref_policy.update(step, kl=metrics.get("kl/loss_term"))
+        # the reset policy counts policy versions: the reference is version 0, this update makes step + 1
+        cause = o.ref_policy.update(step + 1, kl=metrics.get("kl/loss_term"))
         if cause:
             o.reset_reference(cause)
         metrics.update(shape_metrics)
