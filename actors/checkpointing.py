@@ -112,7 +112,8 @@ def restore(loop, ckpt) -> None:
     s.gen_version = actors.sync_all(loop.cfg, "weight sync of the restored policy")
     gen_busy_s = s.gen_busy_s
     for k in s.SAVED:
-        setattr(s, k, defaultdict(float, d[k]) if k in DEFAULT_DICTS else d[k])
+        v = d.get(k, getattr(s, k))  # a field added since the checkpoint keeps its fresh value
+        setattr(s, k, defaultdict(float, v) if k in DEFAULT_DICTS else v)
     if len(s.gen_busy_s) != len(gen_busy_s):  # a different number of generators starts from zero
         s.gen_busy_s = gen_busy_s
     s.retry = [(rows, seed) for rows, seed in s.retry]

@@ -31,8 +31,8 @@ from prorl_async.staleness import plan_requests
 from prorl_async.tracking import Tracker, progress_line
 
 from actors import checkpointing
-from actors.cluster import Actors, RunError, actor_died, cause, init_ray
-from actors.evaluation import evaluate, held_out
+from actors.cluster import Actors, RunError, actor_died, cause, dead_actor_id, init_ray
+from actors.evaluation import StaleWeights, evaluate, held_out
 
 log = logging.getLogger("prorl_async")
 
@@ -56,6 +56,7 @@ class LoopState:
     gen_busy_s: list = field(default_factory=list)          # cumulative seconds, per generator
     resyncs: int = 0
     gen_failures: int = 0
+    grader_failures: int = 0
     invalid_by_reason: dict = field(default_factory=_sums)  # ungradable samples, cumulative
     retry: list = field(default_factory=list)               # [rows, seed] of requests whose generator died
     trained_groups: list = field(default_factory=list)      # request_id/prompt_id of every group, per step
@@ -75,12 +76,16 @@ class LoopState:
     last_sync: dict = field(default_factory=dict)
     resync_needed: bool = False
     learner_dead: bool = False
+    buffer_dead: bool = False
+    stopping: bool = False       # writing the stop checkpoint: failures are recorded, not raised again
+    reissued: list = field(default_factory=list)   # prompt ids of requests re-issued after a failure
+    gen_spans: list = field(default_factory=list)  # (start, end) of requests finished since the last step
     checkpointed: int = -1       # the version of the newest checkpoint
     pending: dict = field(default_factory=dict)    # ObjectRef -> (handler, args)
     in_flight: dict = field(default_factory=dict)  # put ObjectRef -> (generator, rows, seed), to re-issue
 
     SAVED: ClassVar[tuple] = ("version", "consumed", "live", "buffered", "requests", "window", "busy_s", "train_busy_s",
-                              "gen_busy_s", "resyncs", "gen_failures", "invalid_by_reason", "retry", "trained_groups",
+                              "gen_busy_s", "resyncs", "gen_failures", "grader_failures", "invalid_by_reason", "retry", "trained_groups",
                               "before", "last_eval")
 
 
@@ -96,17 +101,23 @@ class TrainingLoop:
 
     # ------------------------------------------------------------ the loop
     def run(self) -> list[dict]:
+        try:
+            return self._run()
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:  # a direct call failed
+            raise self.lost(err) from None
+
+    def _run(self) -> list[dict]:
         s, total = self.s, self.cfg.train.total_steps
         while s.version < total or s.training is not None:
             if self.checkpoint_due():
                 checkpointing.save(self, "interval")
                 continue
-            if self.eval_due():  # rollouts pause; evaluate once the generators hold the new weights
-                if not any(s.gen_busy) and s.sync_pending == 0:
-                    self.evaluate_held_out()
-            elif s.resync_needed:  # a generator or a weight sync failed: one full sync first
+            if s.resync_needed:  # a generator or a weight sync failed: one full sync before anything else
                 if s.training is None and s.sync_pending == 0:
                     self.resync_weights()
+            elif self.eval_due():  # rollouts pause; evaluate once the generators hold the new weights
+                if not any(s.gen_busy) and s.sync_pending == 0:
+                    self.evaluate_held_out()
             elif s.version < total:
                 self.start_rollouts()  # generate -> grade -> buffer, under admission control
             if s.version + (s.training is not None) < total:
@@ -117,6 +128,8 @@ class TrainingLoop:
                                f"{len(s.pending)} calls pending, buffer holds {s.buffered} groups")
         while s.pending:  # in-flight rollouts and the last weight sync land before the final evaluation
             self.handle_completions(timeout=self.cfg.train.sync_timeout_s)
+        if s.resync_needed:  # a generator restarted after the last step: it gets the final weights
+            self.resync_weights()
         return s.history
 
     # ------------------------------------------------------------ generate -> grade -> buffer
@@ -145,8 +158,10 @@ class TrainingLoop:
         s.in_flight[put_ref] = (i, rows, seed)
 
     def on_generated(self, i: int, _ref) -> None:
-        self.s.gen_busy[i] = False
-        self.s.gen_busy_s[i] += time.time() - self.s.gen_started[i]
+        s, now = self.s, time.time()
+        s.gen_busy[i] = False
+        s.gen_busy_s[i] += now - s.gen_started[i]
+        s.gen_spans.append((s.gen_started[i], now))
 
     def on_buffered(self, k: int, ref) -> None:
         info, s, w = ray.get(ref), self.s, self.s.window
@@ -182,10 +197,14 @@ class TrainingLoop:
         s.pending[s.training] = (self.on_trained, ())
 
     def on_trained(self, ref) -> None:
-        metrics, s = ray.get(ref), self.s
+        metrics, s, now = ray.get(ref), self.s, time.time()
         s.training = None
-        s.train_busy_s += time.time() - s.train_started
+        s.train_busy_s += now - s.train_started
         s.version += 1
+        # generation that ran while this step trained (0 for a synchronous run)
+        spans = s.gen_spans + [(s.gen_started[i], now) for i, busy in enumerate(s.gen_busy) if busy]
+        metrics["async/gen_overlap_s"] = sum(max(0.0, min(b, now) - max(a, s.train_started)) for a, b in spans)
+        s.gen_spans = []
         self.broadcast_weights()
         self.log_step(metrics)
 
@@ -228,7 +247,20 @@ class TrainingLoop:
 
     def evaluate_held_out(self) -> None:
         s, t0 = self.s, time.time()
-        val = evaluate(self.cfg, self.actors, self.eval_rows, s.version, self.tracker)
+        try:
+            val = evaluate(self.cfg, self.actors, self.eval_rows, s.version, self.tracker)
+        except StaleWeights as err:  # a generator restarted since its last sync: re-sync, evaluate again
+            log.warning("%s; re-syncing before the evaluation", err)
+            s.resync_needed = True
+            return
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
+            role = self.actors.role(dead_actor_id(err))
+            if not role.startswith("generator") and role != "grader":
+                raise self.lost(err) from None
+            # a generator (or the grader) died mid-evaluation: restart, re-sync, evaluate again
+            self._count_failure(role, err)
+            s.resync_needed = s.resync_needed or role.startswith("generator")
+            return
         s.busy_s["eval"] += time.time() - t0
         s.history[-1].update({**val, "val/time": time.time() - s.t_start})
         s.last_eval = s.version
@@ -240,8 +272,16 @@ class TrainingLoop:
 
     # ------------------------------------------------------------ completions and failures
     def handle_completions(self, timeout: float) -> None:
-        ready, _ = ray.wait(list(self.s.pending), num_returns=1, timeout=timeout)
+        """Everything ready now; finished generations first, so a request's generation span
+        ends before the train step its groups complete can start."""
+        pending = list(self.s.pending)
+        ready, rest = ray.wait(pending, num_returns=1, timeout=timeout)
+        if ready and rest:
+            ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
+        ready.sort(key=lambda r: self.s.pending[r][0] != self.on_generated)
         for ref in ready:
+            if ref not in self.s.pending:
+                continue
             handler, args = self.s.pending.pop(ref)
             try:
                 handler(*args, ref)
@@ -252,18 +292,20 @@ class TrainingLoop:
             self.s.last_progress = time.time()
 
     def on_failure(self, handler, ref, err: Exception) -> None:
-        """A call failed. Generators are restarted and re-synced; everything else stops the run."""
+        """A call failed. A dead generator or grader is restarted by Ray and its requests are
+        re-issued (generators re-synced first); a dead buffer or learner stops the run."""
         s, request = self.s, self.s.in_flight.pop(ref, None)
+        if actor_died(err) and self.actors.role(dead_actor_id(err)) in ("buffer", "learner"):
+            raise self.lost(err)  # whichever call noticed it first
         if handler == self.on_buffered and request is not None and actor_died(err):
             i, rows, seed = request
-            s.gen_failures += 1
-            log.warning("generator %d died (%s); %d prompts re-issued", i, type(err).__name__, len(rows))
-            if s.gen_failures > self.cfg.rollout.max_generator_failures:
-                raise RunError(f"generators died {s.gen_failures} times (rollout.max_generator_failures="
-                               f"{self.cfg.rollout.max_generator_failures}); last: {cause(err)}")
+            role = self.actors.role(dead_actor_id(err)) or f"generator-{i}"
             s.gen_busy[i] = False
             s.retry.append((rows, seed))  # still counted live: re-issued once, with the current weights
-            s.resync_needed = True
+            s.reissued.extend(str(r["id"]) for r in rows)
+            log.warning("%s died (%s); %d prompts re-issued", role, type(err).__name__, len(rows))
+            s.resync_needed = s.resync_needed or role.startswith("generator")
+            self._count_failure(role, err)
         elif handler in (self.on_weights_sent, self.on_weights_received):
             if handler == self.on_weights_received:
                 s.sync_pending -= 1
@@ -271,9 +313,43 @@ class TrainingLoop:
             s.resync_needed = True
         elif handler == self.on_trained:
             s.learner_dead = actor_died(err)  # an actor death, not an exception inside a live learner
-            raise RunError(f"the learner failed at step {s.version + 1}: {cause(err)}")
+            raise RunError(f"the learner failed at step {s.version + 1}: {cause(err)}"
+                           + (self._resume_hint() if s.learner_dead else ""))
+        elif actor_died(err):
+            raise self.lost(err)
         else:
             raise RunError(f"{getattr(handler, '__name__', handler)} failed: {cause(err)}")
+
+    def _count_failure(self, role: str, err: Exception) -> None:
+        """One more generator / grader death; past ``rollout.max_generator_failures`` the run stops
+        (not while the stop checkpoint is being written: its barrier only records them)."""
+        s, limit = self.s, self.cfg.rollout.max_generator_failures
+        if role == "grader":
+            s.grader_failures += 1
+            n, what = s.grader_failures, "the grader"
+        else:
+            s.gen_failures += 1
+            n, what = s.gen_failures, "generators"
+        if n > limit and not s.stopping:
+            raise RunError(f"{what} died {n} times (rollout.max_generator_failures={limit}); last: {cause(err)}")
+
+    def _resume_hint(self) -> str:
+        s = self.s
+        if s.checkpointed >= 0:
+            return f"; no checkpoint is written now, continue from the last one (step {s.checkpointed}) with --resume"
+        return "; no checkpoint was written yet: start the run again"
+
+    def lost(self, err: Exception) -> RunError:
+        """The error that stops a run whose buffer or learner actor died (their state is gone)."""
+        role = self.actors.role(dead_actor_id(err))
+        if role == "buffer":
+            self.s.buffer_dead = True
+            return RunError(f"the replay buffer actor died ({cause(err)}); its unconsumed groups are lost"
+                            + self._resume_hint())
+        if role == "learner":
+            self.s.learner_dead = True
+            return RunError(f"the learner died at step {self.s.version + 1} ({cause(err)})" + self._resume_hint())
+        return RunError(f"{role or 'an actor'} failed: {cause(err)}")
 
     def resync_weights(self) -> None:
         """Full sync after a failure: every generator alive, a new group, the current weights to all."""
@@ -311,7 +387,8 @@ def run(cfg: Config, resume=None) -> dict:
         except RunError:
             # a run that must stop keeps its last good state (the learner's weights are never
             # updated by a non-finite step), unless the learner itself is gone
-            if not loop.s.learner_dead:
+            loop.s.stopping = True
+            if not (loop.s.learner_dead or loop.s.buffer_dead):
                 try:
                     checkpointing.save(loop, "error")
                 except Exception as e:  # the stop reason matters more than this checkpoint
@@ -324,7 +401,8 @@ def run(cfg: Config, resume=None) -> dict:
         summary = {"run_dir": str(run_dir), "aim_run_hash": tracker.hash, "steps": steps,
                    "wall_time_s": time.time() - t0, "before": loop.s.before, "after": after,
                    "max_trained_staleness": max((h.get("async/trained_staleness_max", 0) for h in history), default=0),
-                   "generator_failures": loop.s.gen_failures, "weight_resyncs": loop.s.resyncs,
+                   "generator_failures": loop.s.gen_failures, "grader_failures": loop.s.grader_failures,
+                   "weight_resyncs": loop.s.resyncs, "reissued_prompts": loop.s.reissued,
                    "prompts_consumed": source.consumed, "final_metrics": history[-1] if history else {}}
         tracker.set("summary", {k: v for k, v in summary.items() if k != "final_metrics"})
         write_final(run_dir, summary, history, loop.s.trained_groups)

@@ -17,6 +17,10 @@ from prorl_async.tracking import Tracker
 from actors.cluster import Actors
 
 
+class StaleWeights(RuntimeError):
+    """An evaluation sample came from weights other than the step's (a generator restarted since its sync)."""
+
+
 def evaluate(cfg: Config, actors: Actors, rows: list[dict], step: int, tracker: Tracker, greedy: bool = False) -> dict:
     """Held-out pass@1 (mean over samples) and pass@k, overall and per domain."""
     n, chunk = (1 if greedy else cfg.train.eval_samples), cfg.rollout.prompts_per_request
@@ -28,6 +32,9 @@ def evaluate(cfg: Config, actors: Actors, rows: list[dict], step: int, tracker: 
     samples, texts = [], []
     for b in ray.get(refs):
         d = b.to_pydict()
+        stale = {v for v in d["policy_version"] if v != step}
+        if stale:
+            raise StaleWeights(f"evaluation at step {step} got samples of policy versions {sorted(stale)}")
         for pid, dom, rew, valid, text in zip(d["prompt_id"], d["domain"], d["raw_reward"], d["reward_valid"],
                                               d["response_text"]):
             samples.append((pid, dom, rew, valid))
