@@ -48,15 +48,21 @@ def actor_died(err: Exception) -> bool:
 
 
 def dead_actor_id(err: Exception):
-    """The hex id of the actor whose death failed this call (None if no actor died; "" if unknown)."""
-    seen = 0
-    while err is not None and seen < 5:
+    """The hex id of the actor whose death failed this call (None if no actor died; "" if unknown).
+
+    A task whose input came from a dead actor fails with ``RayTaskError(ActorDiedError)``,
+    which carries the id of the actor that ran the task (say the grader); the dead one is
+    the innermost actor error of the chain."""
+    found, seen = None, 0
+    while err is not None and seen < 8:
         if isinstance(err, (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError,
-                            ray.exceptions.ActorUnavailableError)):
+                            ray.exceptions.ActorUnavailableError)) and not isinstance(err, ray.exceptions.RayTaskError):
             return getattr(err, "actor_id", None) or ""
+        if isinstance(err, ray.exceptions.RayActorError):
+            found = ""
         err = getattr(err, "cause", None)
         seen += 1
-    return None
+    return found
 
 
 GRADER_MAX_RESTARTS = -1  # the grader holds no state: Ray restarts it as often as it dies

@@ -221,8 +221,9 @@ class TrainingLoop:
         self.s.busy_s["sync"] += self.s.last_sync.get("perf/sync_s", 0.0)
 
     def on_weights_received(self, i: int, ref) -> None:
+        version = ray.get(ref)["version"]  # a failure is counted once, by on_failure
         self.s.sync_pending -= 1
-        self.s.gen_version[i] = ray.get(ref)["version"]
+        self.s.gen_version[i] = version
 
     def log_step(self, m: dict) -> None:
         s, now = self.s, time.time()

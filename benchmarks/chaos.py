@@ -28,7 +28,7 @@ ROLES = ("GeneratorActor", "ReplayBufferActor", "LearnerActor", "GraderActor")
 CONFIG = ["train.prompts_per_step=8", "rollout.n=4", "rollout.prompts_per_request=4", "train.micro_batch_size=32",
           "model.warmup_steps=200", "train.max_staleness=1", "algo.dynamic_sampling=false", "train.eval_interval=0",
           "rollout.num_generators=2", "rollout.generator_num_cpus=0.5", "train.learner_num_cpus=0.5",
-          "train.sync_timeout_s=60", "tracking.enabled=false"]
+          "train.sync_timeout_s=20", "tracking.enabled=false"]
 
 
 def rss_by_role() -> dict[str, float]:

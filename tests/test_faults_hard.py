@@ -28,6 +28,41 @@ def _actor(suffix: str):
     return ray.get_actor(names[0])
 
 
+BEFORE_EVAL_REQUESTS = 8  # the "before" evaluation: 16 prompts / 4 per request, sampled and greedy
+
+
+class Killer(threading.Thread):
+    """Runs ``step()`` every 50 ms until it returns True or the test ends (never into the next test)."""
+
+    def __init__(self, step):
+        super().__init__(daemon=True)
+        self.step, self.stop = step, threading.Event()
+
+    def run(self):
+        deadline = time.time() + 600
+        while not self.stop.is_set() and time.time() < deadline:
+            try:
+                if self.step():
+                    return
+            except Exception:
+                pass
+            self.stop.wait(0.05)
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.join(timeout=5)
+
+
+def _requests(suffix: str = "/generator-0") -> int:
+    import ray
+
+    return ray.get(_actor(suffix).stats.remote(), timeout=5)["requests"]
+
+
 def _latest(tmp_path):
     from prorl_async.checkpoint import load_latest
 
@@ -89,19 +124,32 @@ def test_generator_killed_during_evaluation(ray_cluster, tmp_path, model_cache, 
     import ray
 
     import actors.driver as driver
+    import actors.evaluation as evaluation
 
     cfg = _cfg(tmp_path, model_cache, "train.total_steps=4", "train.max_staleness=1", *FAST, *TWO_GENERATORS,
                "train.eval_interval=2")
-    calls, original = [], driver.evaluate
+    calls, armed, original = [], [], driver.evaluate
 
-    def kill_then_evaluate(cfg_, actors, rows, step, tracker, greedy=False):
+    class KillBeforeGet:  # `ray` inside actors/evaluation.py: the kill lands once the requests are out
+        def __getattr__(self, name):
+            return getattr(ray, name)
+
+        def get(self, refs, **kw):
+            if armed and armed[0] is not None:
+                ray.kill(armed[0], no_restart=False)
+                armed[0] = None
+            return ray.get(refs, **kw)
+
+    def arm_then_evaluate(cfg_, actors, rows, step, tracker, greedy=False):
         calls.append(step)
         if step == 2 and len(calls) == 1:
-            ray.kill(actors.generators[0], no_restart=False)  # its evaluation requests die or run stale
+            armed.append(actors.generators[0])
         return original(cfg_, actors, rows, step, tracker, greedy)
 
-    monkeypatch.setattr(driver, "evaluate", kill_then_evaluate)
+    monkeypatch.setattr(driver, "evaluate", arm_then_evaluate)
+    monkeypatch.setattr(evaluation, "ray", KillBeforeGet())
     summary = run_ = driver.run(cfg)
+    assert armed == [None]  # the generator was killed while its evaluation requests were out
     assert calls[0] == 2 and calls.count(2) >= 2, calls  # the evaluation at step 2 was done again
     assert run_["steps"] == 4 and summary["weight_resyncs"] >= 1
     step2 = [h for h in _history(tmp_path) if h["step"] == 2][0]
@@ -144,20 +192,13 @@ def test_generators_killed_past_the_limit_stop_with_a_checkpoint(ray_cluster, tm
                "rollout.max_generator_failures=1", *FAST)
     kills = []
 
-    def kill_twice():
-        deadline = time.time() + 300
-        while len(kills) < 2 and time.time() < deadline:
-            try:
-                gen = _actor("/generator-0")
-                if ray.get(gen.stats.remote(), timeout=5)["requests"] >= 3:
-                    ray.kill(gen, no_restart=False)
-                    kills.append(time.time())
-            except Exception:
-                pass
-            time.sleep(0.1)
+    def kill_twice():  # first after the "before" evaluation and a few requests, then the restarted one
+        if _requests() >= (BEFORE_EVAL_REQUESTS + 3 if not kills else 2):
+            ray.kill(_actor("/generator-0"), no_restart=False)
+            kills.append(time.time())
+        return len(kills) == 2
 
-    threading.Thread(target=kill_twice, daemon=True).start()
-    with pytest.raises(RunError) as e:
+    with Killer(kill_twice), pytest.raises(RunError) as e:
         run(cfg)
     assert len(kills) == 2
     assert "generators died 2 times" in str(e.value) and "rollout.max_generator_failures=1" in str(e.value)
@@ -176,18 +217,14 @@ def test_killed_grader_is_restarted_and_its_requests_reissued(ray_cluster, tmp_p
     killed = []
 
     def kill_grader():
-        deadline = time.time() + 300
-        while not killed and time.time() < deadline:
-            try:
-                if ray.get(_actor("/generator-0").stats.remote(), timeout=5)["requests"] >= 4:
-                    ray.kill(_actor("/grader"), no_restart=False)
-                    killed.append(time.time())
-            except Exception:
-                pass
-            time.sleep(0.05)
+        if _requests() >= BEFORE_EVAL_REQUESTS + 3:
+            ray.kill(_actor("/grader"), no_restart=False)
+            killed.append(time.time())
+            return True
+        return False
 
-    threading.Thread(target=kill_grader, daemon=True).start()
-    summary = run(cfg)
+    with Killer(kill_grader):
+        summary = run(cfg)
     assert killed and summary["steps"] == 6
     assert summary["grader_failures"] >= 1 and summary["generator_failures"] == 0
     assert summary["reissued_prompts"]
