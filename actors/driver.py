@@ -77,6 +77,7 @@ class LoopState:
     resync_needed: bool = False
     learner_dead: bool = False
     buffer_dead: bool = False
+    grader_down: bool = False    # a grader death was counted; cleared by the next graded request
     stopping: bool = False       # writing the stop checkpoint: failures are recorded, not raised again
     reissued: list = field(default_factory=list)   # prompt ids of requests re-issued after a failure
     gen_spans: list = field(default_factory=list)  # (start, end) of requests finished since the last step
@@ -103,7 +104,7 @@ class TrainingLoop:
     def run(self) -> list[dict]:
         try:
             return self._run()
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:  # a direct call failed
+        except ray.exceptions.RayError as err:  # a direct call failed (an actor died, the node ran out of memory ...)
             raise self.lost(err) from None
 
     def _run(self) -> list[dict]:
@@ -165,6 +166,7 @@ class TrainingLoop:
 
     def on_buffered(self, k: int, ref) -> None:
         info, s, w = ray.get(ref), self.s, self.s.window
+        s.grader_down = False
         s.live -= info["dropped"]
         s.buffered += info["kept"]
         for key, v in info["stats"].items():
@@ -326,6 +328,9 @@ class TrainingLoop:
         (not while the stop checkpoint is being written: its barrier only records them)."""
         s, limit = self.s, self.cfg.rollout.max_generator_failures
         if role == "grader":
+            if s.grader_down:  # the other requests that one death failed
+                return
+            s.grader_down = True
             s.grader_failures += 1
             n, what = s.grader_failures, "the grader"
         else:

@@ -43,18 +43,27 @@ def _kill_when_busy(name_suffix: str, out: dict, no_restart: bool, after_request
         time.sleep(0.1)
 
 
-def test_killed_generator_is_restarted_resynced_and_its_prompts_reissued_once(ray_cluster, tmp_path, model_cache):
-    from actors.driver import run
+def test_killed_generator_is_restarted_resynced_and_its_prompts_reissued_once(ray_cluster, tmp_path, model_cache,
+                                                                              monkeypatch):
+    import ray
+
+    from actors.driver import TrainingLoop, run
     from prorl_async.checkpoint import load_latest
 
     cfg = _cfg(tmp_path, model_cache, "train.total_steps=12", "train.max_staleness=1", "train.eval_interval=0",
                "rollout.num_generators=2", "rollout.generator_num_cpus=0.5", "train.learner_num_cpus=0.5",
-               "algo.dynamic_sampling=false")
+               "algo.dynamic_sampling=false", "train.sync_timeout_s=30")
     out: dict = {}
-    t = threading.Thread(target=_kill_when_busy, args=("/generator-0", out, False), daemon=True)
-    t.start()
+    original = TrainingLoop._request
+
+    def request_then_kill(self, i, rows, seed):
+        original(self, i, rows, seed)
+        if i == 0 and self.s.requests >= 6 and "killed_at" not in out:  # its request is in flight
+            ray.kill(self.actors.generators[0], no_restart=False)
+            out["killed_at"] = time.time()
+
+    monkeypatch.setattr(TrainingLoop, "_request", request_then_kill)
     summary = run(cfg)
-    t.join(timeout=1)
     assert "killed_at" in out, "the test never killed the generator"
     assert summary["steps"] == 12
     assert summary["generator_failures"] == 1 and summary["weight_resyncs"] >= 1
