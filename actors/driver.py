@@ -78,6 +78,7 @@ class LoopState:
     learner_dead: bool = False
     buffer_dead: bool = False
     grader_down: bool = False    # a grader death was counted; cleared by the next graded request
+    eval_owed: bool = False      # an evaluation failed (a generator died): done again after the re-sync
     stopping: bool = False       # writing the stop checkpoint: failures are recorded, not raised again
     reissued: list = field(default_factory=list)   # prompt ids of requests re-issued after a failure
     gen_spans: list = field(default_factory=list)  # (start, end) of requests finished since the last step
@@ -246,7 +247,8 @@ class TrainingLoop:
     # ------------------------------------------------------------ evaluate, checkpoint
     def eval_due(self) -> bool:
         v, every = self.s.version, self.cfg.train.eval_interval
-        return bool(every) and 0 < v < self.cfg.train.total_steps and v % every == 0 and self.s.last_eval != v
+        return self.s.eval_owed or (bool(every) and 0 < v < self.cfg.train.total_steps and v % every == 0
+                                    and self.s.last_eval != v)
 
     def evaluate_held_out(self) -> None:
         s, t0 = self.s, time.time()
@@ -254,7 +256,7 @@ class TrainingLoop:
             val = evaluate(self.cfg, self.actors, self.eval_rows, s.version, self.tracker)
         except StaleWeights as err:  # a generator restarted since its last sync: re-sync, evaluate again
             log.warning("%s; re-syncing before the evaluation", err)
-            s.resync_needed = True
+            s.resync_needed = s.eval_owed = True
             return
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
             role = self.actors.role(dead_actor_id(err))
@@ -263,10 +265,11 @@ class TrainingLoop:
             # a generator (or the grader) died mid-evaluation: restart, re-sync, evaluate again
             self._count_failure(role, err)
             s.resync_needed = s.resync_needed or role.startswith("generator")
+            s.eval_owed = True  # at the version current after the re-sync
             return
         s.busy_s["eval"] += time.time() - t0
         s.history[-1].update({**val, "val/time": time.time() - s.t_start})
-        s.last_eval = s.version
+        s.last_eval, s.eval_owed = s.version, False
 
     def checkpoint_due(self) -> bool:
         v, every = self.s.version, self.cfg.train.checkpoint_interval
