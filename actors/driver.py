@@ -358,6 +358,10 @@ class TrainingLoop:
         if role == "learner":
             self.s.learner_dead = True
             return RunError(f"the learner died at step {self.s.version + 1} ({cause(err)})" + self._resume_hint())
+        if role.startswith("generator"):  # a direct call found it dead for good: Ray's restarts are spent
+            self.s.gen_failures += 1
+            return RunError(f"generators died {self.s.gen_failures} times (rollout.max_generator_failures="
+                            f"{self.cfg.rollout.max_generator_failures}); last: {cause(err)}")
         return RunError(f"{role or 'an actor'} failed: {cause(err)}")
 
     def resync_weights(self) -> None:
