@@ -5,7 +5,7 @@ running train step and its weight sync finish), then fills one atomic checkpoint
 (:mod:`prorl_async.checkpoint`): the learner writes ``policy/`` and ``learner/``
 (:mod:`prorl_async.learners.files`), the buffer hands over its unconsumed rows
 (``buffer.parquet``), and the driver adds the saved fields of its
-:class:`~actors.driver.LoopState` (``driver.json``), its RNG states and ``history.jsonl``.
+:class:`~actors.loop_state.LoopState` (``driver.json``), its RNG states and ``history.jsonl``.
 A restore puts all of it back and gives the generators the checkpoint's weights and policy
 version through one full weight sync.
 """
@@ -112,7 +112,8 @@ def restore(loop, ckpt) -> None:
     s.gen_version = actors.sync_all(loop.cfg, "weight sync of the restored policy")
     gen_busy_s = s.gen_busy_s
     for k in s.SAVED:
-        setattr(s, k, defaultdict(float, d[k]) if k in DEFAULT_DICTS else d[k])
+        v = d.get(k, getattr(s, k))  # a field added since the checkpoint keeps its fresh value
+        setattr(s, k, defaultdict(float, v) if k in DEFAULT_DICTS else v)
     if len(s.gen_busy_s) != len(gen_busy_s):  # a different number of generators starts from zero
         s.gen_busy_s = gen_busy_s
     s.retry = [(rows, seed) for rows, seed in s.retry]

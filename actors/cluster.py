@@ -47,6 +47,27 @@ def actor_died(err: Exception) -> bool:
     return False
 
 
+def dead_actor_id(err: Exception):
+    """The hex id of the actor whose death failed this call (None if no actor died; "" if unknown).
+
+    A task whose input came from a dead actor fails with ``RayTaskError(ActorDiedError)``,
+    which carries the id of the actor that ran the task (say the grader); the dead one is
+    the innermost actor error of the chain."""
+    found, seen = None, 0
+    while err is not None and seen < 8:
+        if isinstance(err, (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError,
+                            ray.exceptions.ActorUnavailableError)) and not isinstance(err, ray.exceptions.RayTaskError):
+            return getattr(err, "actor_id", None) or ""
+        if isinstance(err, ray.exceptions.RayActorError):
+            found = ""
+        err = getattr(err, "cause", None)
+        seen += 1
+    return found
+
+
+GRADER_MAX_RESTARTS = -1  # the grader holds no state: Ray restarts it as often as it dies
+
+
 def local_cluster_auth() -> None:
     """Token auth for a local cluster started by this process, with the token in the environment only."""
     if os.environ.get("RAY_AUTH_MODE") is not None:
@@ -130,8 +151,13 @@ class Actors:
         gens = [GeneratorActor.options(**opts, max_restarts=r.max_generator_failures, max_task_retries=0,
                                        **({"name": f"{name}/generator-{i}"} if name else {}))
                 .remote(cfg, model_path, i) for i, (opts, _) in enumerate(placed)]
-        grader = GraderActor.options(num_cpus=0).remote(cfg)
-        buffer = ReplayBufferActor.options(num_cpus=0).remote(t.max_staleness, cfg.algo.dynamic_sampling)
+        # the grader is stateless: restarted by Ray, the driver re-issues the requests it dropped.
+        # The buffer holds the unconsumed groups: never restarted empty; its death stops the run
+        grader = GraderActor.options(num_cpus=0, max_restarts=GRADER_MAX_RESTARTS, max_task_retries=0,
+                                     **({"name": f"{name}/grader"} if name else {})).remote(cfg)
+        buffer = ReplayBufferActor.options(num_cpus=0, max_restarts=0,
+                                           **({"name": f"{name}/buffer"} if name else {})
+                                           ).remote(t.max_staleness, cfg.algo.dynamic_sampling)
         actors = cls(gens, grader, buffer, learner, [pg for _, pg in placed if pg is not None])
         get([g.ready.remote() for g in gens] + [grader.ready.remote()], 600, "starting the actors")
         actors.form_weight_sync(cfg)
@@ -169,6 +195,17 @@ class Actors:
         infos = get([self.learner.broadcast_weights.remote()] + [g.receive_weights.remote() for g in self.generators],
                     cfg.train.sync_timeout_s, what)
         return [info["version"] for info in infos[1:]]
+
+    def role(self, actor_id) -> str:
+        """Which actor an id (from :func:`dead_actor_id`) belongs to: generator-i, grader, buffer, learner, or ''."""
+        if not actor_id:
+            return ""
+        named = {f"generator-{i}": g for i, g in enumerate(self.generators)}
+        named.update(grader=self.grader, buffer=self.buffer, learner=self.learner)
+        for role, a in named.items():
+            if getattr(a, "_actor_id", None) is not None and a._actor_id.hex() == actor_id:
+                return role
+        return ""
 
     def all(self) -> list:
         return [*self.generators, self.grader, self.buffer, self.learner]

@@ -14,9 +14,7 @@ from __future__ import annotations
 import importlib
 import logging
 import time
-from collections import defaultdict
-from dataclasses import dataclass, field
-from typing import ClassVar, Optional
+from typing import Optional
 
 import ray
 
@@ -31,58 +29,12 @@ from prorl_async.staleness import plan_requests
 from prorl_async.tracking import Tracker, progress_line
 
 from actors import checkpointing
-from actors.cluster import Actors, RunError, actor_died, cause, init_ray
-from actors.evaluation import evaluate, held_out
+from actors.cluster import Actors, RunError, cause, dead_actor_id, init_ray
+from actors.evaluation import StaleWeights, evaluate, held_out
+from actors.failures import FailurePolicy
+from actors.loop_state import LoopState, zero_sums
 
 log = logging.getLogger("prorl_async")
-
-def _sums() -> defaultdict:
-    return defaultdict(float)
-
-
-@dataclass
-class LoopState:
-    """Everything the loop knows. The fields above the line are the driver's part of a checkpoint
-    (``driver.json``, plus ``history.jsonl``); the rest is in flight (empty at a checkpoint's
-    barrier) or comes back through the resume's weight sync."""
-    version: int = 0             # learner policy version = learner steps done
-    consumed: int = 0            # groups handed to the learner
-    live: int = 0                # groups in flight or waiting in the buffer
-    buffered: int = 0            # informative groups waiting in the buffer
-    requests: int = 0            # generation requests issued (each one's seed)
-    window: dict = field(default_factory=_sums)             # rollout sums since the last step
-    busy_s: dict = field(default_factory=_sums)             # cumulative seconds: grade, sync, eval
-    train_busy_s: float = 0.0
-    gen_busy_s: list = field(default_factory=list)          # cumulative seconds, per generator
-    resyncs: int = 0
-    gen_failures: int = 0
-    invalid_by_reason: dict = field(default_factory=_sums)  # ungradable samples, cumulative
-    retry: list = field(default_factory=list)               # [rows, seed] of requests whose generator died
-    trained_groups: list = field(default_factory=list)      # request_id/prompt_id of every group, per step
-    before: dict = field(default_factory=dict)              # held-out metrics before training
-    last_eval: int = -1
-    history: list = field(default_factory=list)             # metrics per step (history.jsonl)
-    # ------------------------------------------------------------------------ not saved
-    t_start: float = 0.0         # run start (a resumed run: now minus the checkpoint's elapsed_s)
-    t_last_step: float = 0.0
-    last_progress: float = 0.0
-    gen_version: list = field(default_factory=list)
-    gen_busy: list = field(default_factory=list)
-    gen_started: list = field(default_factory=list)
-    training: Optional[object] = None  # the running train step's ObjectRef
-    train_started: float = 0.0
-    sync_pending: int = 0
-    last_sync: dict = field(default_factory=dict)
-    resync_needed: bool = False
-    learner_dead: bool = False
-    checkpointed: int = -1       # the version of the newest checkpoint
-    pending: dict = field(default_factory=dict)    # ObjectRef -> (handler, args)
-    in_flight: dict = field(default_factory=dict)  # put ObjectRef -> (generator, rows, seed), to re-issue
-
-    SAVED: ClassVar[tuple] = ("version", "consumed", "live", "buffered", "requests", "window", "busy_s", "train_busy_s",
-                              "gen_busy_s", "resyncs", "gen_failures", "invalid_by_reason", "retry", "trained_groups",
-                              "before", "last_eval")
-
 
 class TrainingLoop:
     def __init__(self, cfg: Config, actors: Actors, source: PromptSource, tracker: Tracker, eval_rows: list[dict],
@@ -94,20 +46,27 @@ class TrainingLoop:
                            before=dict(before or {}))
         self.s.t_start = self.s.t_last_step = self.s.last_progress = time.time()
         self.refill = RefillWatch(cfg.train.prompts_per_step, cfg.algo.max_refill_rounds, self.s.t_start)
+        self.failures = FailurePolicy(self)
 
     # ------------------------------------------------------------ the loop
     def run(self) -> list[dict]:
+        try:
+            return self._run()
+        except ray.exceptions.RayError as err:  # a direct call failed (an actor died, the node ran out of memory ...)
+            raise self.failures.lost(err) from None
+
+    def _run(self) -> list[dict]:
         s, total = self.s, self.cfg.train.total_steps
         while s.version < total or s.training is not None:
             if self.checkpoint_due():
                 checkpointing.save(self, "interval")
                 continue
-            if self.eval_due():  # rollouts pause; evaluate once the generators hold the new weights
-                if not any(s.gen_busy) and s.sync_pending == 0:
-                    self.evaluate_held_out()
-            elif s.resync_needed:  # a generator or a weight sync failed: one full sync first
+            if s.resync_needed:  # a generator or a weight sync failed: one full sync before anything else
                 if s.training is None and s.sync_pending == 0:
                     self.resync_weights()
+            elif self.eval_due():  # rollouts pause; evaluate once the generators hold the new weights
+                if not any(s.gen_busy) and s.sync_pending == 0:
+                    self.evaluate_held_out()
             elif s.version < total:
                 self.start_rollouts()  # generate -> grade -> buffer, under admission control
             if s.version + (s.training is not None) < total:
@@ -118,6 +77,8 @@ class TrainingLoop:
                                f"{len(s.pending)} calls pending, buffer holds {s.buffered} groups")
         while s.pending:  # in-flight rollouts and the last weight sync land before the final evaluation
             self.handle_completions(timeout=self.cfg.train.sync_timeout_s)
+        if s.resync_needed:  # a generator restarted after the last step: it gets the final weights
+            self.resync_weights()
         return s.history
 
     # ------------------------------------------------------------ generate -> grade -> buffer
@@ -146,11 +107,14 @@ class TrainingLoop:
         s.in_flight[put_ref] = (i, rows, seed)
 
     def on_generated(self, i: int, _ref) -> None:
-        self.s.gen_busy[i] = False
-        self.s.gen_busy_s[i] += time.time() - self.s.gen_started[i]
+        s, now = self.s, time.time()
+        s.gen_busy[i] = False
+        s.gen_busy_s[i] += now - s.gen_started[i]
+        s.gen_spans.append((s.gen_started[i], now))
 
     def on_buffered(self, k: int, ref) -> None:
         info, s, w = ray.get(ref), self.s, self.s.window
+        s.grader_down = False
         s.live -= info["dropped"]
         s.buffered += info["kept"]
         for key, v in info["stats"].items():
@@ -185,10 +149,14 @@ class TrainingLoop:
         s.pending[s.training] = (self.on_trained, ())
 
     def on_trained(self, ref) -> None:
-        metrics, s = ray.get(ref), self.s
+        metrics, s, now = ray.get(ref), self.s, time.time()
         s.training = None
-        s.train_busy_s += time.time() - s.train_started
+        s.train_busy_s += now - s.train_started
         s.version += 1
+        # generation that ran while this step trained (0 for a synchronous run)
+        spans = s.gen_spans + [(s.gen_started[i], now) for i, busy in enumerate(s.gen_busy) if busy]
+        metrics["async/gen_overlap_s"] = sum(max(0.0, min(b, now) - max(a, s.train_started)) for a, b in spans)
+        s.gen_spans = []
         self.broadcast_weights()
         self.log_step(metrics)
 
@@ -205,8 +173,9 @@ class TrainingLoop:
         self.s.busy_s["sync"] += self.s.last_sync.get("perf/sync_s", 0.0)
 
     def on_weights_received(self, i: int, ref) -> None:
+        version = ray.get(ref)["version"]  # a failure is counted once, by on_failure
         self.s.sync_pending -= 1
-        self.s.gen_version[i] = ray.get(ref)["version"]
+        self.s.gen_version[i] = version
 
     def log_step(self, m: dict) -> None:
         s, now = self.s, time.time()
@@ -220,7 +189,7 @@ class TrainingLoop:
         health = ray.get(self.actors.grader.metrics_since_last.remote())  # timeouts, errors, restarts, queue wait
         m.update({k: v for k, v in health.items() if k.startswith("grader/")})
         m.update({f"reward/invalid_{reason}": v for reason, v in s.invalid_by_reason.items()})
-        s.window = _sums()
+        s.window = zero_sums()
         self.refill.step_done(now)
         self.tracker.track(m, s.version)
         s.history.append({"step": s.version, "time": now - s.t_start, **m})
@@ -230,58 +199,57 @@ class TrainingLoop:
     # ------------------------------------------------------------ evaluate, checkpoint
     def eval_due(self) -> bool:
         v, every = self.s.version, self.cfg.train.eval_interval
-        return bool(every) and 0 < v < self.cfg.train.total_steps and v % every == 0 and self.s.last_eval != v
+        return self.s.eval_owed or (bool(every) and 0 < v < self.cfg.train.total_steps and v % every == 0
+                                    and self.s.last_eval != v)
 
     def evaluate_held_out(self) -> None:
         s, t0 = self.s, time.time()
-        val = evaluate(self.cfg, self.actors, self.eval_rows, s.version, self.tracker)
+        try:
+            val = evaluate(self.cfg, self.actors, self.eval_rows, s.version, self.tracker)
+        except StaleWeights as err:  # a generator restarted since its last sync: re-sync, evaluate again
+            log.warning("%s; re-syncing before the evaluation", err)
+            s.resync_needed = s.eval_owed = True
+            return
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
+            role = self.actors.role(dead_actor_id(err))
+            if not role.startswith("generator") and role != "grader":
+                raise self.failures.lost(err) from None
+            # a generator (or the grader) died mid-evaluation: restart, re-sync, evaluate again
+            self.failures.count(role, err)
+            s.resync_needed = s.resync_needed or role.startswith("generator")
+            s.eval_owed = True  # at the version current after the re-sync
+            return
         reset = ray.get(self.actors.learner.observe_validation.remote(s.version, val["val/pass@1"]))  # stalled?
         self.tracker.track(reset, s.version)  # ref/reset_val_stall: ProRL resets the reference on a stall
         s.busy_s["eval"] += time.time() - t0
         s.history[-1].update({**val, **reset, "val/time": time.time() - s.t_start})
-        s.last_eval = s.version
+        s.last_eval, s.eval_owed = s.version, False
 
     def checkpoint_due(self) -> bool:
         v, every = self.s.version, self.cfg.train.checkpoint_interval
         return (self.run_dir is not None and every > 0 and 0 < v < self.cfg.train.total_steps
                 and v % every == 0 and self.s.checkpointed != v)
 
-    # ------------------------------------------------------------ completions and failures
+    # ------------------------------------------------------------ completions (failures: actors.failures)
     def handle_completions(self, timeout: float) -> None:
-        ready, _ = ray.wait(list(self.s.pending), num_returns=1, timeout=timeout)
+        """Everything ready now; finished generations first, so a request's generation span
+        ends before the train step its groups complete can start."""
+        pending = list(self.s.pending)
+        ready, rest = ray.wait(pending, num_returns=1, timeout=timeout)
+        if ready and rest:
+            ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
+        ready.sort(key=lambda r: self.s.pending[r][0] != self.on_generated)
         for ref in ready:
+            if ref not in self.s.pending:
+                continue
             handler, args = self.s.pending.pop(ref)
             try:
                 handler(*args, ref)
             except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as err:
-                self.on_failure(handler, ref, err)
+                self.failures.on_failure(handler, ref, err)
             else:
                 self.s.in_flight.pop(ref, None)
             self.s.last_progress = time.time()
-
-    def on_failure(self, handler, ref, err: Exception) -> None:
-        """A call failed. Generators are restarted and re-synced; everything else stops the run."""
-        s, request = self.s, self.s.in_flight.pop(ref, None)
-        if handler == self.on_buffered and request is not None and actor_died(err):
-            i, rows, seed = request
-            s.gen_failures += 1
-            log.warning("generator %d died (%s); %d prompts re-issued", i, type(err).__name__, len(rows))
-            if s.gen_failures > self.cfg.rollout.max_generator_failures:
-                raise RunError(f"generators died {s.gen_failures} times (rollout.max_generator_failures="
-                               f"{self.cfg.rollout.max_generator_failures}); last: {cause(err)}")
-            s.gen_busy[i] = False
-            s.retry.append((rows, seed))  # still counted live: re-issued once, with the current weights
-            s.resync_needed = True
-        elif handler in (self.on_weights_sent, self.on_weights_received):
-            if handler == self.on_weights_received:
-                s.sync_pending -= 1
-            log.warning("weight sync failed (%s); re-forming the group", cause(err))
-            s.resync_needed = True
-        elif handler == self.on_trained:
-            s.learner_dead = actor_died(err)  # an actor death, not an exception inside a live learner
-            raise RunError(f"the learner failed at step {s.version + 1}: {cause(err)}")
-        else:
-            raise RunError(f"{getattr(handler, '__name__', handler)} failed: {cause(err)}")
 
     def resync_weights(self) -> None:
         """Full sync after a failure: every generator alive, a new group, the current weights to all."""
@@ -321,7 +289,8 @@ def run(cfg: Config, resume=None) -> dict:
         except RunError:
             # a run that must stop keeps its last good state (the learner's weights are never
             # updated by a non-finite step), unless the learner itself is gone
-            if not loop.s.learner_dead:
+            loop.s.stopping = True
+            if not (loop.s.learner_dead or loop.s.buffer_dead):
                 try:
                     checkpointing.save(loop, "error")
                 except Exception as e:  # the stop reason matters more than this checkpoint
@@ -334,7 +303,8 @@ def run(cfg: Config, resume=None) -> dict:
         summary = {"run_dir": str(run_dir), "aim_run_hash": tracker.hash, "steps": steps,
                    "wall_time_s": time.time() - t0, "before": loop.s.before, "after": after,
                    "max_trained_staleness": max((h.get("async/trained_staleness_max", 0) for h in history), default=0),
-                   "generator_failures": loop.s.gen_failures, "weight_resyncs": loop.s.resyncs,
+                   "generator_failures": loop.s.gen_failures, "grader_failures": loop.s.grader_failures,
+                   "weight_resyncs": loop.s.resyncs, "reissued_prompts": loop.s.reissued,
                    "prompts_consumed": source.consumed, "final_metrics": history[-1] if history else {}}
         tracker.set("summary", {k: v for k, v in summary.items() if k != "final_metrics"})
         write_final(run_dir, summary, history, loop.s.trained_groups)

@@ -17,6 +17,10 @@ from prorl_async.tracking import Tracker, bar
 from actors.cluster import Actors
 
 
+class StaleWeights(RuntimeError):
+    """An evaluation sample came from weights other than the step's (a generator restarted since its sync)."""
+
+
 def evaluate(cfg: Config, actors: Actors, rows: list[dict], step: int, tracker: Tracker, greedy: bool = False,
              show: bool = False, samples: int = 0) -> dict:
     """Held-out pass@1 (mean over samples) and pass@k, overall and per domain; ``show``: a
@@ -30,6 +34,9 @@ def evaluate(cfg: Config, actors: Actors, rows: list[dict], step: int, tracker: 
     samples, texts = [], []
     for b in gather(refs, f"{'greedy' if greedy else 'sampled'} held-out evaluation, step {step}" if show else ""):
         d = b.to_pydict()
+        stale = {v for v in d["policy_version"] if v != step}
+        if stale:
+            raise StaleWeights(f"evaluation at step {step} got samples of policy versions {sorted(stale)}")
         for pid, dom, rew, valid, text in zip(d["prompt_id"], d["domain"], d["raw_reward"], d["reward_valid"],
                                               d["response_text"]):
             samples.append((pid, dom, rew, valid))

@@ -117,7 +117,7 @@ def simulate(num_gen: int, max_staleness: int, a, rng_seed: int) -> Result:
 
     buffer = ReplayBuffer(max_staleness, dynamic_sampling=True)
     lengths: dict[str, int] = {}  # sample_id -> response tokens (the Arrow rows carry no token ids here)
-    # driver state (actors/driver.py LoopState)
+    # driver state (actors/loop_state.py LoopState)
     version = consumed = live = buffered = requests = 0
     gen_version, gen_busy, gen_weights = [0] * num_gen, [False] * num_gen, [0] * num_gen
     gen_intervals: list[tuple[float, float]] = []  # (start, end) of every request, for utilisation

@@ -18,6 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+pytest_plugins = ["tests.ci_required"]  # CI=true: a missing vllm / deepspeed fails instead of skipping
+
 
 @pytest.fixture(scope="session")
 def ray_cluster():

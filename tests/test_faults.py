@@ -10,7 +10,9 @@ import time
 from collections import Counter
 
 import pytest
+import torch
 
+from tests.accounting import assert_nothing_lost_or_repeated
 from tests.conftest import ROOT, cli
 from tests.test_e2e import SMALL
 
@@ -41,16 +43,27 @@ def _kill_when_busy(name_suffix: str, out: dict, no_restart: bool, after_request
         time.sleep(0.1)
 
 
-def test_killed_generator_is_restarted_resynced_and_its_prompts_reissued_once(ray_cluster, tmp_path, model_cache):
-    from actors.driver import run
+def test_killed_generator_is_restarted_resynced_and_its_prompts_reissued_once(ray_cluster, tmp_path, model_cache,
+                                                                              monkeypatch):
+    import ray
+
+    from actors.driver import TrainingLoop, run
+    from prorl_async.checkpoint import load_latest
 
     cfg = _cfg(tmp_path, model_cache, "train.total_steps=12", "train.max_staleness=1", "train.eval_interval=0",
-               "rollout.num_generators=2", "rollout.generator_num_cpus=0.5", "train.learner_num_cpus=0.5")
+               "rollout.num_generators=2", "rollout.generator_num_cpus=0.5", "train.learner_num_cpus=0.5",
+               "algo.dynamic_sampling=false", "train.sync_timeout_s=30")
     out: dict = {}
-    t = threading.Thread(target=_kill_when_busy, args=("/generator-0", out, False), daemon=True)
-    t.start()
+    original = TrainingLoop._request
+
+    def request_then_kill(self, i, rows, seed):
+        original(self, i, rows, seed)
+        if i == 0 and self.s.requests >= 6 and "killed_at" not in out:  # its request is in flight
+            ray.kill(self.actors.generators[0], no_restart=False)
+            out["killed_at"] = time.time()
+
+    monkeypatch.setattr(TrainingLoop, "_request", request_then_kill)
     summary = run(cfg)
-    t.join(timeout=1)
     assert "killed_at" in out, "the test never killed the generator"
     assert summary["steps"] == 12
     assert summary["generator_failures"] == 1 and summary["weight_resyncs"] >= 1
@@ -62,6 +75,12 @@ def test_killed_generator_is_restarted_resynced_and_its_prompts_reissued_once(ra
     assert all(math.isfinite(h["actor/pg_loss"]) for h in history)
     # after the resync the generators serve the learner's weights: staleness stays bounded
     assert all(h["async/trained_staleness_max"] <= 1 for h in history)
+    # the dead generator's prompts were re-issued and trained (or wait in the end checkpoint) exactly once
+    a = assert_nothing_lost_or_repeated(cfg, load_latest(str(tmp_path / "run")).path)
+    assert summary["reissued_prompts"]
+    for pid in summary["reissued_prompts"]:
+        assert a["trained"][pid] + a["buffered"][pid] + a["retry"][pid] == 1, pid
+    assert sum(a["trained"][pid] for pid in summary["reissued_prompts"]) >= 1
 
 
 def test_killed_learner_fails_the_run_fast(ray_cluster, tmp_path, model_cache):
@@ -80,16 +99,33 @@ def test_diverging_learner_skips_non_finite_updates_then_stops(ray_cluster, tmp_
     from actors.driver import RunError, run
 
     # lr=1e30 blows the weights up after one update: every later loss is NaN and is skipped
-    from prorl_async.checkpoint import load_latest
+    from safetensors.torch import load_file
+
+    from prorl_async.checkpoint import list_checkpoints, load_latest
 
     # the blown-up policy is never right, so dynamic sampling refills without end: no refill bound here
     cfg = _cfg(tmp_path, model_cache, "train.total_steps=20", "train.lr=1e30", "train.max_skipped_steps=3",
-               "train.mini_batches=1", "train.eval_interval=0", "algo.max_refill_rounds=0")
+               "train.mini_batches=1", "train.eval_interval=0", "train.checkpoint_interval=1", "train.keep_last=30",
+               "algo.max_refill_rounds=0")
     with pytest.raises(RunError, match="non-finite"):
         run(cfg)
     # the run stopped with a checkpoint of its last state, which a resume can load
     ckpt = load_latest(str(tmp_path / "run"))
     assert 1 <= ckpt.step < 20
+    history = [json.loads(line) for line in (ckpt.path / "history.jsonl").read_text().splitlines()]
+    assert len(history) == ckpt.step
+    applied = [h["step"] for h in history if h["actor/updates"] > 0]
+    skipped = [h["step"] for h in history if h["actor/updates"] == 0]
+    assert applied and skipped and max(applied) < min(skipped)  # good steps, then only skipped ones
+    assert history[-1]["actor/skipped_updates"] == len(skipped)  # every skipped update is counted
+    weights = {int(p.name.split("-")[1]): load_file(p / "policy" / "model.safetensors") for p in list_checkpoints(tmp_path / "run")}
+    last_good = weights[max(applied)]
+    assert all(torch.isfinite(t).all() for t in last_good.values())
+    for step in skipped:  # a skipped update leaves the weights bitwise as they were
+        assert weights[step].keys() == last_good.keys()
+        assert all(torch.equal(weights[step][k], last_good[k]) for k in last_good), step
+    assert any(not torch.equal(weights[max(applied)][k], weights[min(applied)][k]) for k in last_good) \
+        or len(applied) == 1  # applied updates do change them
 
 
 def test_grader_failure_rate_above_bound_stops_with_reasons(tmp_path, model_cache):

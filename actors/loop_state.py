@@ -1,0 +1,63 @@
+"""All the training loop's state, in one dataclass: what :mod:`actors.driver` reads and updates,
+and (the fields listed in ``LoopState.SAVED``) what a checkpoint saves (:mod:`actors.checkpointing`)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
+
+
+def zero_sums() -> defaultdict:
+    return defaultdict(float)
+
+
+@dataclass
+class LoopState:
+    """Everything the loop knows. The fields above the line are the driver's part of a checkpoint
+    (``driver.json``, plus ``history.jsonl``); the rest is in flight (empty at a checkpoint's
+    barrier) or comes back through the resume's weight sync."""
+    version: int = 0             # learner policy version = learner steps done
+    consumed: int = 0            # groups handed to the learner
+    live: int = 0                # groups in flight or waiting in the buffer
+    buffered: int = 0            # informative groups waiting in the buffer
+    requests: int = 0            # generation requests issued (each one's seed)
+    window: dict = field(default_factory=zero_sums)             # rollout sums since the last step
+    busy_s: dict = field(default_factory=zero_sums)             # cumulative seconds: grade, sync, eval
+    train_busy_s: float = 0.0
+    gen_busy_s: list = field(default_factory=list)          # cumulative seconds, per generator
+    resyncs: int = 0
+    gen_failures: int = 0
+    grader_failures: int = 0
+    invalid_by_reason: dict = field(default_factory=zero_sums)  # ungradable samples, cumulative
+    retry: list = field(default_factory=list)               # [rows, seed] of requests whose generator died
+    trained_groups: list = field(default_factory=list)      # request_id/prompt_id of every group, per step
+    before: dict = field(default_factory=dict)              # held-out metrics before training
+    last_eval: int = -1
+    history: list = field(default_factory=list)             # metrics per step (history.jsonl)
+    # ------------------------------------------------------------------------ not saved
+    t_start: float = 0.0         # run start (a resumed run: now minus the checkpoint's elapsed_s)
+    t_last_step: float = 0.0
+    last_progress: float = 0.0
+    gen_version: list = field(default_factory=list)
+    gen_busy: list = field(default_factory=list)
+    gen_started: list = field(default_factory=list)
+    training: Optional[object] = None  # the running train step's ObjectRef
+    train_started: float = 0.0
+    sync_pending: int = 0
+    last_sync: dict = field(default_factory=dict)
+    resync_needed: bool = False
+    learner_dead: bool = False
+    buffer_dead: bool = False
+    grader_down: bool = False    # a grader death was counted; cleared by the next graded request
+    eval_owed: bool = False      # an evaluation failed (a generator died): done again after the re-sync
+    stopping: bool = False       # writing the stop checkpoint: failures are recorded, not raised again
+    reissued: list = field(default_factory=list)   # prompt ids of requests re-issued after a failure
+    gen_spans: list = field(default_factory=list)  # (start, end) of requests finished since the last step
+    checkpointed: int = -1       # the version of the newest checkpoint
+    pending: dict = field(default_factory=dict)    # ObjectRef -> (handler, args)
+    in_flight: dict = field(default_factory=dict)  # put ObjectRef -> (generator, rows, seed), to re-issue
+
+    SAVED: ClassVar[tuple] = ("version", "consumed", "live", "buffered", "requests", "window", "busy_s", "train_busy_s",
+                              "gen_busy_s", "resyncs", "gen_failures", "grader_failures", "invalid_by_reason", "retry", "trained_groups",
+                              "before", "last_eval")
