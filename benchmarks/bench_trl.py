@@ -301,7 +301,10 @@ def main(argv=None) -> dict:
     path = write_json("bench_trl", payload, args.out)
     plot(results, args.out / "bench_trl.png")
     print(f"wrote {path} and {args.out / 'bench_trl.png'}")
-    shutil.rmtree(work, ignore_errors=True)
+    if trl_error is None:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        print(f"kept {work} (TRL's saved model, if any, is under it)")
     return payload
 
 
