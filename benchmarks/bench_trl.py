@@ -240,6 +240,7 @@ def run_trl(args, work: Path, threads: int) -> dict:
             if f.is_file() and not (final / f.name).exists() and f.suffix not in (".safetensors", ".bin"):
                 shutil.copy(f, final / f.name)
         del trainer, model
+        __import__("gc").collect()  # free TRL's weights and optimizer state before the engine starts
         t_eval = time.time()
         ev = eval_folder(args, str(final), work)
         out.update({"eval_after": ev, "val_after": ev.get("val/pass@1"), "eval_s": time.time() - t_eval,
