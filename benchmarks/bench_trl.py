@@ -64,6 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--modes", help="prorl-async train.max_staleness values to run ('' = TRL only)")
     p.add_argument("--trl-threads", default="0",
                    help="comma list of torch thread counts for TRL, one TRL run each (0 = all cores)")
+    p.add_argument("--eval-rows", type=int, help="held-out prompts (smollm2: builtin:chat-arith eval split; "
+                   "36 = each distinct eval problem once)")
     p.add_argument("--first", choices=["prorl", "trl"], default="prorl", help="which system runs first")
     p.add_argument("--repeats", type=int, default=1, help="repeats; the order of prorl-async and TRL alternates")
     p.add_argument("--dynamic-sampling", action="store_true", help="prorl-async with dynamic sampling (its default)")
@@ -92,7 +94,8 @@ def common_overrides(args) -> list[str]:
     return [f"train.total_steps={args.steps}", f"train.prompts_per_step={args.prompts_per_step}",
             f"rollout.n={args.n}", f"rollout.max_new_tokens={args.max_new_tokens}", f"train.lr={args.lr}",
             f"algo.dynamic_sampling={'true' if args.dynamic_sampling else 'false'}", "train.eval_interval=0",
-            *([f"model.cache_dir={args.cache_dir}"] if args.cache_dir else [])]
+            *([f"model.cache_dir={args.cache_dir}"] if args.cache_dir else []),
+            *([f"data.eval=builtin:chat-arith?n={args.eval_rows}&seed=2&split=eval"] if args.eval_rows else [])]
 
 
 def load_avg() -> list[float]:
