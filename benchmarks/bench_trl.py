@@ -24,6 +24,13 @@ prorl-async's learner. The ratio compares training-loop wall times (prorl-async:
 dispatched to last step done, no evaluation inside; TRL: ``trainer.train()``), plus total
 process wall times including start-up (prorl-async's total also holds its before/after
 held-out evaluations).
+
+``--preset smollm2`` (issue 11): SmolLM2-135M-Instruct on ``builtin:chat-arith`` through
+configs/smollm2_cpu.yaml (vLLM generator), fp32 on both sides, KL 0 on both, the chat-arith
+verifier as TRL's reward, the train rows' message lists as TRL's conversational prompts (TRL
+applies the chat template). TRL's trained model is saved and evaluated with prorl-async's own
+held-out evaluation (same engine, rows, sampling and seeds as prorl-async's before/after).
+``--trl-threads 1,2`` runs TRL once per torch thread count.
 """
 
 from __future__ import annotations
