@@ -24,6 +24,13 @@ prorl-async's learner. The ratio compares training-loop wall times (prorl-async:
 dispatched to last step done, no evaluation inside; TRL: ``trainer.train()``), plus total
 process wall times including start-up (prorl-async's total also holds its before/after
 held-out evaluations).
+
+``--preset smollm2`` (issue 11): SmolLM2-135M-Instruct on ``builtin:chat-arith`` through
+configs/smollm2_cpu.yaml (vLLM generator), fp32 on both sides, KL 0 on both, the chat-arith
+verifier as TRL's reward, the train rows' message lists as TRL's conversational prompts (TRL
+applies the chat template). TRL's trained model is saved and evaluated with prorl-async's own
+held-out evaluation (same engine, rows, sampling and seeds as prorl-async's before/after).
+``--trl-threads 1,2`` runs TRL once per torch thread count.
 """
 
 from __future__ import annotations
@@ -38,6 +45,10 @@ import tempfile
 import time
 from pathlib import Path
 
+# before ray is imported anywhere (TRL's imports pull it in): it caches the auth mode
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -48,45 +59,77 @@ from _common import OUT_DIR, machine, plt, table, write_json  # noqa: E402
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps (train.total_steps / max_steps)")
-    p.add_argument("--prompts-per-step", type=int, default=32, help="prompts per step")
-    p.add_argument("--n", type=int, default=8, help="group size (rollout.n / num_generations)")
-    p.add_argument("--max-new-tokens", type=int, default=8, help="max completion length")
-    p.add_argument("--lr", type=float, default=2e-4, help="learning rate (both)")
-    p.add_argument("--modes", default="0,1", help="prorl-async train.max_staleness values to run ('' = TRL only)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                   help="tiny: built-in tiny-arith model + arithmetic task (bf16 autocast); smollm2: "
+                        "SmolLM2-135M-Instruct + chat-arith through configs/smollm2_cpu.yaml (fp32, vLLM "
+                        "generator), held-out pass@1 of both trained models with the same engine and seeds")
+    p.add_argument("--steps", type=int, help="optimizer steps (train.total_steps / max_steps)")
+    p.add_argument("--prompts-per-step", type=int, help="prompts per step")
+    p.add_argument("--n", type=int, help="group size (rollout.n / num_generations)")
+    p.add_argument("--max-new-tokens", type=int, help="max completion length")
+    p.add_argument("--lr", type=float, help="learning rate (both)")
+    p.add_argument("--modes", help="prorl-async train.max_staleness values to run ('' = TRL only)")
+    p.add_argument("--trl-threads", default="0",
+                   help="comma list of torch thread counts for TRL, one TRL run each (0 = all cores)")
+    p.add_argument("--eval-rows", type=int, help="held-out prompts (smollm2: builtin:chat-arith eval split; "
+                   "36 = each distinct eval problem once)")
+    p.add_argument("--first", choices=["prorl", "trl"], default="prorl", help="which system runs first")
     p.add_argument("--repeats", type=int, default=1, help="repeats; the order of prorl-async and TRL alternates")
     p.add_argument("--dynamic-sampling", action="store_true", help="prorl-async with dynamic sampling (its default)")
     p.add_argument("--trl-fp32", action="store_true", help="TRL without bf16 autocast (prorl-async's learner uses it)")
-    p.add_argument("--cache-dir", default=os.environ.get("PRORL_ASYNC_CACHE", "/tmp/prorl-cache"),
-                   help="model.cache_dir holding the built-in model")
+    p.add_argument("--cache-dir", help="model.cache_dir holding the built-in model")
     p.add_argument("--out", type=Path, default=OUT_DIR, help="output folder")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for k, v in PRESETS[args.preset].items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    return args
+
+
+# Defaults per preset (a flag given on the command line wins).
+PRESETS = {
+    "tiny": {"config": None, "steps": 30, "prompts_per_step": 32, "n": 8, "max_new_tokens": 8, "lr": 2e-4,
+             "modes": "0,1", "cache_dir": os.environ.get("PRORL_ASYNC_CACHE", "/tmp/prorl-cache"),
+             "eval_trl": False},
+    # configs/smollm2_cpu.yaml's own sizes (8 prompts x 4 samples x 64 tokens, lr 5e-6, no KL, fp32)
+    "smollm2": {"config": str(ROOT / "configs" / "smollm2_cpu.yaml"), "steps": 3, "prompts_per_step": 8, "n": 4,
+                "max_new_tokens": 64, "lr": 5e-6, "modes": "1", "cache_dir": "", "eval_trl": True},
+}
 
 
 def common_overrides(args) -> list[str]:
     return [f"train.total_steps={args.steps}", f"train.prompts_per_step={args.prompts_per_step}",
             f"rollout.n={args.n}", f"rollout.max_new_tokens={args.max_new_tokens}", f"train.lr={args.lr}",
             f"algo.dynamic_sampling={'true' if args.dynamic_sampling else 'false'}", "train.eval_interval=0",
-            f"model.cache_dir={args.cache_dir}"]
+            *([f"model.cache_dir={args.cache_dir}"] if args.cache_dir else []),
+            *([f"data.eval=builtin:chat-arith?n={args.eval_rows}&seed=2&split=eval"] if args.eval_rows else [])]
 
 
-def run_prorl(args, work: Path) -> list[dict]:
-    os.environ.setdefault("RAY_AUTH_MODE", "token")  # before ray is imported: it caches the mode
-    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+def load_avg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def start_ray():
     import ray
-
-    from actors.driver import run
-    from prorl_async.config import load_config
 
     tmp = tempfile.mkdtemp(prefix="prorl-bench-ray-", dir="/tmp")
     ray.init(include_dashboard=False, _temp_dir=tmp, logging_level="WARNING",
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    return ray, tmp
+
+
+def run_prorl(args, work: Path) -> list[dict]:
+    from actors.driver import run
+    from prorl_async.config import load_config
+
+    ray, tmp = start_ray()
     out = []
     try:
         for s in [int(m) for m in args.modes.split(",")]:
             run_dir = work / f"prorl-s{s}"
-            cfg = load_config(None, common_overrides(args) + [f"train.max_staleness={s}", f"run_dir={run_dir}",
-                                                              f"tracking.aim_repo={work / 'aim'}"])
+            cfg = load_config(args.config, common_overrides(args) + [f"train.max_staleness={s}", f"run_dir={run_dir}",
+                                                                     f"tracking.aim_repo={work / 'aim'}"])
+            load0 = load_avg()
             t0 = time.time()
             summary = run(cfg)
             total = time.time() - t0
@@ -95,16 +138,53 @@ def run_prorl(args, work: Path) -> list[dict]:
                         "train_wall_s": hist[-1]["time"], "total_wall_s": total, "steps": summary["steps"],
                         "generated_samples": sum(h["perf/samples_s"] * h["perf/step_s"] for h in hist),
                         "trained_samples": summary["steps"] * cfg.samples_per_step,
+                        "step_s": [round(h["perf/step_s"], 1) for h in hist],
                         "curve": [(h["step"], h["time"], h["reward/mean"]) for h in hist],
-                        "val_before": summary["before"]["val/pass@1"], "val_after": summary["after"]["val/pass@1"]})
+                        "val_before": summary["before"].get("val/pass@1"),
+                        "val_after": summary["after"].get("val/pass@1"),
+                        "eval_before": summary["before"], "eval_after": summary["after"],
+                        "load_before": load0, "load_after": load_avg()})
+            print(f"prorl-async done: {json.dumps(out[-1])}", flush=True)
     finally:
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
-def run_trl(args, work: Path) -> dict:
+def eval_folder(args, model_dir: str, work: Path) -> dict:
+    """Held-out pass@1 of a saved model folder through prorl-async's own evaluation.
+
+    The same engine (the config's generator), eval rows, sampling and per-chunk seeds as the
+    ``before`` / ``after`` evaluations inside a prorl-async run (:func:`actors.driver.evaluate`),
+    without training (``train.total_steps`` must be >= 1, so this starts the actors and
+    evaluates instead of running the driver).
+    """
+    from actors.driver import Actors, evaluate
+    from prorl_async.config import load_config
+    from prorl_async.data.datasets import load_rows
+    from prorl_async.tracking import Tracker
+
+    cfg = load_config(args.config, common_overrides(args) + [f"model.path={model_dir}", f"run_dir={work / 'eval'}"])
+    rows = load_rows(cfg.data.eval)
+    ray, tmp = start_ray()
+    actors = None
+    try:
+        tracker = Tracker(str(work / "aim"), "bench", "trl-eval", {}, enabled=False)
+        actors = Actors.start(cfg, model_dir, name="trl-eval")
+        return {**evaluate(cfg, actors, rows, 0, tracker), **evaluate(cfg, actors, rows, 0, tracker, greedy=True)}
+    finally:
+        if actors is not None:
+            for a in actors.all():
+                ray.kill(a)
+            for pg in actors.placement_groups:
+                ray.util.remove_placement_group(pg)
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run_trl(args, work: Path, threads: int) -> dict:
     t_total = time.time()
+    load0 = load_avg()
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -113,24 +193,31 @@ def run_trl(args, work: Path) -> dict:
     from prorl_async.config import load_config
     from prorl_async.data.datasets import load_rows
     from prorl_async.models import load_model, load_tokenizer, resolve_model_path
-    from prorl_async.rewards.arithmetic import verify
+    from prorl_async.rewards import arithmetic, chat_arith
 
-    cfg = load_config(None, common_overrides(args))
+    cfg = load_config(args.config, common_overrides(args))
+    verify = chat_arith.verify if args.preset == "smollm2" else arithmetic.verify
+    if threads:
+        torch.set_num_threads(threads)
     model_path = resolve_model_path(cfg.model, seed=cfg.train.seed)
     rows = load_rows(cfg.data.train)
+    # chat-arith prompts are message lists: TRL treats the dataset as conversational and applies
+    # the tokenizer's chat template (add_generation_prompt), as prorl-async's engines do
     dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
 
-    def arithmetic_reward(prompts, completions, answer, **_):
-        return [verify({"answer": a}, c).reward for c, a in zip(completions, answer)]
+    def reward(prompts, completions, answer, **_):
+        texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+        return [verify({"answer": a}, t).reward for t, a in zip(texts, answer)]
 
     batch = args.prompts_per_step * args.n
+    bf16 = cfg.model.autocast_bf16 and not args.trl_fp32
     gcfg = GRPOConfig(
         output_dir=str(work / "trl"), max_steps=args.steps, per_device_train_batch_size=batch,
         gradient_accumulation_steps=1, steps_per_generation=1, num_generations=args.n,
         max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         beta=cfg.algo.kl_coef, epsilon=cfg.algo.clip_eps_low, epsilon_high=cfg.algo.clip_eps_high,
-        loss_type="dapo", scale_rewards="batch", num_iterations=1, use_cpu=True, bf16=cfg.model.autocast_bf16 and not args.trl_fp32,
+        loss_type="dapo", scale_rewards="batch", num_iterations=1, use_cpu=True, bf16=bf16,
         logging_steps=1, save_strategy="no", report_to="none", seed=cfg.train.seed, disable_dropout=True,
         dataloader_num_workers=0)
     times: list[float] = []
@@ -140,32 +227,53 @@ def run_trl(args, work: Path) -> dict:
             times.append(time.time())
 
     model = load_model(model_path, cfg.model.dtype)
-    trainer = GRPOTrainer(model=model, reward_funcs=arithmetic_reward, args=gcfg, train_dataset=dataset,
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=gcfg, train_dataset=dataset,
                           processing_class=load_tokenizer(model_path), callbacks=[StepClock()])
     t0 = time.time()
     trainer.train()
     train_wall = time.time() - t0
+    load1 = load_avg()
     logs = [h for h in trainer.state.log_history if "reward" in h]
     curve = [(int(h["step"]), times[i] - t0 if i < len(times) else None, float(h["reward"]))
              for i, h in enumerate(logs)]
-    return {"system": "TRL GRPOTrainer", "max_staleness": None, "train_wall_s": train_wall,
-            "total_wall_s": time.time() - t_total, "steps": trainer.state.global_step,
-            "generated_samples": trainer.state.global_step * batch, "trained_samples": trainer.state.global_step * batch,
-            "curve": curve, "torch_threads": torch.get_num_threads(), "trl_version": __import__("trl").__version__}
+    ends = [t0] + times
+    out = {"system": f"TRL GRPOTrainer ({torch.get_num_threads()} threads)", "max_staleness": None,
+           "train_wall_s": train_wall, "steps": trainer.state.global_step,
+           "generated_samples": trainer.state.global_step * batch, "trained_samples": trainer.state.global_step * batch,
+           "step_s": [round(b - a, 1) for a, b in zip(ends, ends[1:])], "curve": curve,
+           "torch_threads": torch.get_num_threads(), "trl_version": __import__("trl").__version__,
+           "precision": "bf16 autocast" if bf16 else cfg.model.dtype, "load_before": load0, "load_after": load1}
+    if args.eval_trl:  # the trained model, evaluated like prorl-async's "after"
+        final = work / "trl-final"
+        trainer.save_model(str(final))
+        for f in Path(model_path).iterdir():  # tokenizer / generation files the save may not write
+            if f.is_file() and not (final / f.name).exists() and f.suffix not in (".safetensors", ".bin"):
+                shutil.copy(f, final / f.name)
+        del trainer, model
+        __import__("gc").collect()  # free TRL's weights and optimizer state before the engine starts
+        t_eval = time.time()
+        ev = eval_folder(args, str(final), work)
+        out.update({"eval_after": ev, "val_after": ev.get("val/pass@1"), "eval_s": time.time() - t_eval,
+                    "load_after_eval": load_avg()})
+    out["total_wall_s"] = time.time() - t_total
+    print(f"TRL done: {json.dumps(out)}", flush=True)
+    return out
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="prorl-bench-trl-", dir="/tmp"))
     runs, trl_error = [], None
+    first = ["prorl", "trl"] if args.first == "prorl" else ["trl", "prorl"]
     for rep in range(args.repeats):  # order alternates (prorl, TRL), (TRL, prorl), ... against load drift
-        parts = ["prorl", "trl"] if rep % 2 == 0 else ["trl", "prorl"]
+        parts = first if rep % 2 == 0 else first[::-1]
         for part in parts:
             if part == "prorl" and args.modes:
                 runs += run_prorl(args, work / f"r{rep}")
             elif part == "trl" and trl_error is None:
                 try:
-                    runs.append(run_trl(args, work / f"r{rep}"))
+                    for k in [int(x) for x in args.trl_threads.split(",")]:
+                        runs.append(run_trl(args, work / f"r{rep}-t{k}", k))
                 except Exception as e:  # report exactly why TRL could not run, keep prorl-async's numbers
                     trl_error = f"{type(e).__name__}: {e}"
                     print(f"TRL failed: {trl_error}", flush=True)
@@ -180,6 +288,7 @@ def main(argv=None) -> dict:
     trl = next((r for r in results if r["system"].startswith("TRL")), None)
     for r in results:
         r["samples_s"] = r["trained_samples"] / r["train_wall_s"]
+        r["s_per_sample"] = r["train_wall_s"] / r["trained_samples"]
         r["reward_mean"] = sum(c[2] for c in r["curve"]) / max(len(r["curve"]), 1)
         r["reward_last5"] = sum(c[2] for c in r["curve"][-5:]) / max(len(r["curve"][-5:]), 1)
         if trl:
@@ -191,7 +300,11 @@ def main(argv=None) -> dict:
                           ("train_wall_s", "train wall s", "{:.1f}"), ("samples_s", "samples/s", "{:.0f}"),
                           ("wall_ratio_vs_trl", "wall / TRL", "{:.2f}"), ("total_wall_s", "total wall s", "{:.1f}"),
                           ("total_ratio_vs_trl", "total / TRL", "{:.2f}"), ("reward_mean", "reward mean", "{:.3f}"),
-                          ("reward_last5", "reward last 5", "{:.3f}")]))
+                          ("reward_last5", "reward last 5", "{:.3f}"), ("s_per_sample", "s/sample", "{:.2f}"),
+                          ("val_before", "held-out pass@1 before", "{:.3f}"),
+                          ("val_after", "after", "{:.3f}")]))
+    for r in runs:
+        print(f"{r['system']}: step s {r['step_s']}, load {r['load_before']} -> {r['load_after']}")
     print(f"\n(machine: {machine()['cpu']}, {os.cpu_count()} cores; same model, task, group size {args.n}, "
           f"{args.prompts_per_step} prompts x {args.n} per step, {args.steps} steps)")
     payload = {"benchmark": "trl", "machine": machine(), "args": {**vars(args), "out": str(args.out)},
@@ -199,7 +312,10 @@ def main(argv=None) -> dict:
     path = write_json("bench_trl", payload, args.out)
     plot(results, args.out / "bench_trl.png")
     print(f"wrote {path} and {args.out / 'bench_trl.png'}")
-    shutil.rmtree(work, ignore_errors=True)
+    if trl_error is None:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        print(f"kept {work} (TRL's saved model, if any, is under it)")
     return payload
 
 
