@@ -155,11 +155,12 @@ def eval_folder(args, model_dir: str, work: Path) -> dict:
     """Held-out pass@1 of a saved model folder through prorl-async's own evaluation.
 
     The same engine (the config's generator), eval rows, sampling and per-chunk seeds as the
-    ``before`` / ``after`` evaluations inside a prorl-async run (:func:`actors.driver.evaluate`),
+    ``before`` / ``after`` evaluations inside a prorl-async run (:func:`actors.evaluation.held_out`),
     without training (``train.total_steps`` must be >= 1, so this starts the actors and
     evaluates instead of running the driver).
     """
-    from actors.driver import Actors, evaluate
+    from actors.cluster import Actors
+    from actors.evaluation import held_out
     from prorl_async.config import load_config
     from prorl_async.data.datasets import load_rows
     from prorl_async.tracking import Tracker
@@ -171,13 +172,10 @@ def eval_folder(args, model_dir: str, work: Path) -> dict:
     try:
         tracker = Tracker(str(work / "aim"), "bench", "trl-eval", {}, enabled=False)
         actors = Actors.start(cfg, model_dir, name="trl-eval")
-        return {**evaluate(cfg, actors, rows, 0, tracker), **evaluate(cfg, actors, rows, 0, tracker, greedy=True)}
+        return held_out(cfg, actors, rows, 0, tracker)
     finally:
         if actors is not None:
-            for a in actors.all():
-                ray.kill(a)
-            for pg in actors.placement_groups:
-                ray.util.remove_placement_group(pg)
+            actors.shutdown()
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
 
