@@ -187,7 +187,8 @@ class TrainingLoop:
         m.update(s.last_sync)
         m.update(ray.get(self.actors.buffer.metrics.remote()))
         health = ray.get(self.actors.grader.metrics_since_last.remote())  # timeouts, errors, restarts, queue wait
-        m.update({k: v for k, v in health.items() if k.startswith("grader/")})
+        # per-step counts only: the grader process's own totals restart with it (a resume, a restart)
+        m.update({k: v for k, v in health.items() if k.startswith("grader/") and not k.endswith("_total")})
         m.update({f"reward/invalid_{reason}": v for reason, v in s.invalid_by_reason.items()})
         s.window = zero_sums()
         self.refill.step_done(now)
