@@ -177,7 +177,9 @@ def test_generator_killed_during_checkpoint_barrier(ray_cluster, tmp_path, model
     assert len(killed) == 1 and summary["steps"] == 6 and summary["weight_resyncs"] >= 1
     # the checkpoint taken across the kill holds everything: trained, buffered, or to re-issue
     a3 = assert_nothing_lost_or_repeated(cfg, tmp_path / "run" / "checkpoints" / "step-000003")
-    assert summary["generator_failures"] == 0 or sum(a3["retry"].values()) > 0
+    # (whether the kill is noticed at the barrier or at the generator's next request, and so whether
+    # its prompts still wait for re-issue at the save, depends on timing: not asserted)
+    assert a3["trained"]
     assert_nothing_lost_or_repeated(cfg, _latest(tmp_path).path)
 
 

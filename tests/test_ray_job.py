@@ -200,7 +200,8 @@ def test_submit_short_training_job(head):
         "prorl-async", "train", f"run_dir={run_dir}", f"tracking.aim_repo={aim_repo}",
         f"model.cache_dir={out / 'cache'}", "tracking.run_name=ray-job-test",
         "train.total_steps=3", "train.prompts_per_step=8", "rollout.n=4", "train.eval_interval=0",
-        "model.warmup_steps=100", "data.eval=builtin:arithmetic?n=16&seed=2&split=eval",  # shlex-quoted by ray
+        "model.warmup_steps=100", "algo.max_refill_rounds=0",  # a weakly warmed model: no refill bound
+            "data.eval=builtin:arithmetic?n=16&seed=2&split=eval",  # shlex-quoted by ray
     )
     assert res.returncode == 0, res.stdout + res.stderr
     status = _wait_job(head, job_id, timeout=420)
