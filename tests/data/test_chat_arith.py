@@ -15,7 +15,8 @@ def test_rows_are_chat_messages_with_disjoint_splits():
     assert len(train) == 300 and len(held_out) == 100
     q = lambda rows: {r["prompt"][0]["content"] for r in rows}  # noqa: E731
     assert not q(train) & q(held_out)
-    assert len(q(held_out)) == 36 and len(q(train)) == 119  # every problem of each split, cycled
+    assert len(q(held_out)) == 100 and len(q(train)) == 300  # distinct problems while n <= the split's size
+    assert len(q(load_rows("builtin:chat-arith?n=1000&seed=1&split=train"))) == 438  # then cycled
     assert all(split_of(r["prompt"][0]["content"]) == "eval" for r in held_out)
     r = held_out[0]
     assert r["domain"] == "chat-arith" and r["prompt"][0]["role"] == "user"
