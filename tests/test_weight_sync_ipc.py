@@ -184,7 +184,16 @@ def test_cli_run_with_ipc_weight_sync(tmp_path, model_cache):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     history = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
     assert [h["step"] for h in history] == [1, 2, 3]
-    assert all(h["perf/sync_gb"] > 0 and "weights" not in h for h in history)
+    assert all("weights" not in h for h in history)  # the handles never reach the metrics
+    assert all(h["perf/sync_gb"] > 0 for h in history[1:])  # (a step logs the sync before it)
     assert all(math.isfinite(h["actor/pg_loss"]) for h in history)
+    # the generator served the synced versions: nothing trained on is staler than the bound, and
+    # tokens sampled with the learner's current weights (version >= 1 after the first step) have
+    # the learner's logprobs (logprob parity: the engine holds exactly the synced weights)
+    assert all(h["async/trained_staleness_max"] <= 1 for h in history)
+    synced = [h for h in history[1:] if h["mismatch/tokens"] > 0]
+    assert synced, [(h["step"], h["mismatch/tokens"]) for h in history]
+    assert all(h["mismatch/logprob_abs_diff_max"] < 1e-3 for h in synced), [h["mismatch/logprob_abs_diff_max"]
+                                                                          for h in synced]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3
