@@ -309,6 +309,7 @@ def run(cfg: Config, resume=None) -> dict:
                    "max_trained_staleness": max((h.get("async/trained_staleness_max", 0) for h in history), default=0),
                    "generator_failures": loop.s.gen_failures, "grader_failures": loop.s.grader_failures,
                    "weight_resyncs": loop.s.resyncs, "reissued_prompts": loop.s.reissued,
+                   "weight_sync_backend": actors.sync_backend,
                    "prompts_consumed": source.consumed, "final_metrics": history[-1] if history else {}}
         tracker.set("summary", {k: v for k, v in summary.items() if k != "final_metrics"})
         write_final(run_dir, summary, history, loop.s.trained_groups)

@@ -196,4 +196,4 @@ def test_cli_run_with_ipc_weight_sync(tmp_path, model_cache):
     assert all(h["mismatch/logprob_abs_diff_max"] < 1e-3 for h in synced), [h["mismatch/logprob_abs_diff_max"]
                                                                           for h in synced]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 3
+    assert summary["steps"] == 3 and summary["weight_sync_backend"] == "ipc"
