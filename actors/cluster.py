@@ -140,6 +140,7 @@ class Actors:
     learner: object
     placement_groups: list = field(default_factory=list)
     sync_epoch: int = 0
+    sync_backend: str = ""  # the resolved ray.weight_sync_backend: gloo, nccl or ipc
 
     @classmethod
     def start(cls, cfg: Config, model_path: str, name: str = "") -> "Actors":
@@ -163,19 +164,59 @@ class Actors:
         actors.form_weight_sync(cfg)
         return actors
 
-    def form_weight_sync(self, cfg: Config) -> None:
-        """(Re)build the weight-sync group: learner rank 0 + every generator (a TP=k engine takes k ranks)."""
+    def resolve_sync_backend(self, cfg: Config) -> str:
+        """``ray.weight_sync_backend``, with ``auto`` resolved from where the actors landed:
+        ``ipc`` when the learner and every generator hold the same GPU (one GPU, colocated by
+        fractional reservations or a shared bundle: NCCL refuses two ranks on one device),
+        ``nccl`` when they hold separate GPUs, ``gloo`` on CPU."""
         r, t = cfg.rollout, cfg.train
         backend = cfg.ray.weight_sync_backend
-        if backend == "auto":
-            backend = "nccl" if r.generator_num_gpus > 0 and t.learner_num_gpus > 0 else "gloo"
+        if backend != "auto":
+            return backend
+        if not (r.generator_num_gpus > 0 and t.learner_num_gpus > 0):
+            return "gloo"
+        learner = get(self.learner.device_key.remote(), 600, "weight sync")
+        gens = get([g.device_key.remote() for g in self.generators], 600, "weight sync")
+        same = [k == learner for k in gens]
+        if all(same):
+            return "ipc"
+        if any(same):
+            raise RunError(f"generators {[i for i, x in enumerate(same) if x]} share the learner's GPU and the others "
+                           "do not: NCCL cannot reach a rank on the learner's own device and ipc cannot reach the "
+                           "others; reserve GPUs so that all generators share it (one GPU) or none does, or set "
+                           "ray.weight_sync_backend")
+        return "nccl"
+
+    def form_weight_sync(self, cfg: Config) -> None:
+        """(Re)build the weight-sync group: learner rank 0 + every generator (a TP=k engine takes k ranks).
+        With ipc there is no group: each receiving process gets its rank (which handles are its
+        own) and announces its dtype, which the learner's snapshot is cast to."""
+        t = cfg.train
+        backend = self.sync_backend = self.resolve_sync_backend(cfg)
         self.sync_epoch += 1
         host, port = get(self.learner.sync_address.remote(self.sync_epoch), 600, "weight sync")
         ranks = get([g.weight_sync_ranks.remote() for g in self.generators], 600, "weight sync")
         world = 1 + sum(ranks)
+        if backend == "ipc":
+            dtypes = get([g.init_weight_sync.remote(host, port, 1 + sum(ranks[:i]), world, backend)
+                          for i, g in enumerate(self.generators)], t.sync_timeout_s, "forming the weight-sync group")
+            wire = dtypes[0] if len(set(dtypes)) == 1 else None
+            get(self.learner.init_weight_sync.remote(host, port, world, backend, wire), t.sync_timeout_s,
+                "forming the weight-sync group")
+            return
         get([self.learner.init_weight_sync.remote(host, port, world, backend)]
              + [g.init_weight_sync.remote(host, port, 1 + sum(ranks[:i]), world, backend)
                 for i, g in enumerate(self.generators)], t.sync_timeout_s, "forming the weight-sync group")
+
+    def receive_args(self, sent) -> tuple:
+        """Arguments of ``GeneratorActor.receive_weights`` for the learner's ``broadcast_weights``
+        ref ``sent``: ipc hands the ref on (Ray resolves it to the handles), a collective none."""
+        return (sent,) if self.sync_backend == "ipc" else ()
+
+    def release_weights(self) -> None:
+        """Every generator answered the updates sent so far: the learner may free its ipc snapshots."""
+        if self.sync_backend == "ipc":
+            self.learner.release_weights.remote()
 
     def wait_generators_ready(self, timeout_s: float = 600.0) -> None:
         """Every generator answers again (a restarting actor refuses calls until it is back)."""
@@ -192,8 +233,15 @@ class Actors:
 
     def sync_all(self, cfg: Config, what: str) -> list[int]:
         """The learner's current weights to every generator at once; their policy versions."""
-        infos = get([self.learner.broadcast_weights.remote()] + [g.receive_weights.remote() for g in self.generators],
-                    cfg.train.sync_timeout_s, what)
+        sent = self.learner.broadcast_weights.remote()
+        try:
+            infos = get([sent] + [g.receive_weights.remote(*self.receive_args(sent)) for g in self.generators],
+                        cfg.train.sync_timeout_s, what)
+        except ray.exceptions.RayActorError as e:  # a receiver died mid-sync
+            role = self.role(dead_actor_id(e)) or "an actor"
+            raise RunError(f"{what} failed: {role} died ({cause(e)})") from None
+        finally:
+            self.release_weights()
         return [info["version"] for info in infos[1:]]
 
     def role(self, actor_id) -> str:

@@ -163,19 +163,22 @@ class TrainingLoop:
     def broadcast_weights(self) -> None:
         """Weights out to every generator (each applies them at its next request boundary)."""
         s = self.s
-        s.pending[self.actors.learner.broadcast_weights.remote()] = (self.on_weights_sent, ())
+        sent = self.actors.learner.broadcast_weights.remote()
+        s.pending[sent] = (self.on_weights_sent, ())
         for i, gen in enumerate(self.actors.generators):
             s.sync_pending += 1
-            s.pending[gen.receive_weights.remote()] = (self.on_weights_received, (i,))
+            s.pending[gen.receive_weights.remote(*self.actors.receive_args(sent))] = (self.on_weights_received, (i,))
 
     def on_weights_sent(self, ref) -> None:
-        self.s.last_sync = ray.get(ref)
+        self.s.last_sync = {k: v for k, v in ray.get(ref).items() if k != "weights"}  # ipc: the handles
         self.s.busy_s["sync"] += self.s.last_sync.get("perf/sync_s", 0.0)
 
     def on_weights_received(self, i: int, ref) -> None:
         version = ray.get(ref)["version"]  # a failure is counted once, by on_failure
         self.s.sync_pending -= 1
         self.s.gen_version[i] = version
+        if self.s.sync_pending == 0:  # every update sent so far is in: the learner frees its ipc snapshots
+            self.actors.release_weights()
 
     def log_step(self, m: dict) -> None:
         s, now = self.s, time.time()
@@ -306,6 +309,7 @@ def run(cfg: Config, resume=None) -> dict:
                    "max_trained_staleness": max((h.get("async/trained_staleness_max", 0) for h in history), default=0),
                    "generator_failures": loop.s.gen_failures, "grader_failures": loop.s.grader_failures,
                    "weight_resyncs": loop.s.resyncs, "reissued_prompts": loop.s.reissued,
+                   "weight_sync_backend": actors.sync_backend,
                    "prompts_consumed": source.consumed, "final_metrics": history[-1] if history else {}}
         tracker.set("summary", {k: v for k, v in summary.items() if k != "final_metrics"})
         write_final(run_dir, summary, history, loop.s.trained_groups)

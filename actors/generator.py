@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from typing import Optional
 
 import ray
 import torch
@@ -50,11 +51,19 @@ class GeneratorActor:
     def weight_sync_ranks(self) -> int:
         return self.engine.weight_sync_ranks
 
-    def init_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str) -> bool:
+    def device_key(self) -> str:
+        """The GPU (UUID) or host this generator's engine runs on."""
+        from prorl_async.weight_sync import device_key
+
+        return device_key("cuda" if self.cfg.rollout.generator_num_gpus > 0 else "cpu")
+
+    def init_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str) -> str:
+        """Join as ``rank``; returns the dtype the engine announces (the ipc sender casts to it)."""
         return self.engine.init_weight_sync(host, port, rank, world_size, backend, self.cfg.train.sync_timeout_s)
 
-    def receive_weights(self) -> dict:
-        return self.engine.receive_weights()
+    def receive_weights(self, sent: Optional[dict] = None) -> dict:
+        """One update. ``sent``: the learner's ``broadcast_weights`` result (ipc: its handles)."""
+        return self.engine.receive_weights(sent["weights"]) if sent is not None else self.engine.receive_weights()
 
     def weights_checksum(self) -> tuple[int, float]:
         return self.engine.weights_checksum()

@@ -11,7 +11,7 @@ import torch
 from prorl_async.learners.files import load_learner, write_learner
 from prorl_async.learners.core import shard_groups, sync_device
 from prorl_async.learners.torch_learner import TorchLearner
-from prorl_async.weight_sync import WeightSyncGroup, free_port, tensor_checksum
+from prorl_async.weight_sync import IpcWeightSender, WeightSyncGroup, device_key, free_port, tensor_checksum
 
 
 def local_ip() -> str:
@@ -52,7 +52,14 @@ class LearnerActor:
         host = local_ip()
         return host, (self.cfg.ray.weight_sync_port + epoch - 1) if self.cfg.ray.weight_sync_port else free_port(host)
 
-    def init_weight_sync(self, host: str, port: int, world_size: int, backend: str) -> bool:
+    def device_key(self) -> str:
+        """The GPU (UUID) or host this learner's weights live on (ipc needs the generators' to match)."""
+        return device_key(self.learner.device)
+
+    def init_weight_sync(self, host: str, port: int, world_size: int, backend: str, wire_dtype=None) -> bool:
+        if backend == "ipc":  # same device: handles to a snapshot instead of a collective
+            self._sync = IpcWeightSender(world_size - 1, device=str(self.learner.device), wire_dtype=wire_dtype)
+            return True
         self._sync = WeightSyncGroup(host, port, 0, world_size, backend, self.cfg.train.sync_timeout_s,
                                      device=sync_device(backend, self.learner.device))
         return True
@@ -65,8 +72,19 @@ class LearnerActor:
         return self.learner.train_step(shard_groups(table, self.rank, world_size), step)
 
     def broadcast_weights(self) -> dict:
+        """``perf/sync_*`` metrics; with ipc also ``weights``, the payload of handles every
+        generator's ``receive_weights`` takes (the snapshot lives until :meth:`release_weights`)."""
         named = self.learner.named_tensors()  # a collective under ZeRO-3: every rank calls it
-        return self._sync.send(named, self.learner.version) if self.rank == 0 else {}
+        if self.rank != 0:
+            return {}
+        if isinstance(self._sync, IpcWeightSender):
+            payload, metrics = self._sync.send(named, self.learner.version)
+            return {**metrics, "weights": payload}
+        return self._sync.send(named, self.learner.version)
+
+    def release_weights(self) -> list[int]:
+        """Every generator answered: free the ipc snapshots (versions freed; [] for a collective)."""
+        return self._sync.release() if isinstance(self._sync, IpcWeightSender) else []
 
     def weights_checksum(self) -> tuple[int, float]:
         return self.learner.version, tensor_checksum([t for _, t in self.learner.named_tensors()])
@@ -113,8 +131,11 @@ class LearnerGroup:
     def sync_address(self, epoch: int = 1):
         return ray.get(self.members[0].sync_address.remote(epoch))
 
-    def init_weight_sync(self, host: str, port: int, world_size: int, backend: str) -> bool:
-        return ray.get(self.members[0].init_weight_sync.remote(host, port, world_size, backend))
+    def device_key(self) -> str:
+        return ray.get(self.members[0].device_key.remote())
+
+    def init_weight_sync(self, host: str, port: int, world_size: int, backend: str, wire_dtype=None) -> bool:
+        return ray.get(self.members[0].init_weight_sync.remote(host, port, world_size, backend, wire_dtype))
 
     def train_step(self, batch, step: int) -> dict:
         """``batch``: ``[ObjectRef]`` of the batch table (preferred: the bytes never pass through
@@ -144,6 +165,9 @@ class LearnerGroup:
 
     def broadcast_weights(self) -> dict:
         return self._all("broadcast_weights")
+
+    def release_weights(self) -> list[int]:
+        return self._all("release_weights")
 
     def weights_checksum(self):
         return self._all("weights_checksum")

@@ -154,7 +154,7 @@ class TrackingConfig:
 class RayConfig:
     address: str = _f("", "Ray cluster address; empty = join RAY_ADDRESS / a job's cluster, or start a local one")
     num_cpus: int = _f(0, "CPUs of a locally started Ray (0 = all)")
-    weight_sync_backend: str = _f("auto", "torch.distributed backend of the weight-sync group: auto, gloo or nccl")
+    weight_sync_backend: str = _f("auto", "weight-sync transport: auto (ipc when learner and generators share one GPU, nccl on separate GPUs, gloo on CPU), gloo, nccl, or ipc (handles to the learner's memory: CUDA IPC on one GPU, shared memory on CPU; one node)")
     weight_sync_port: int = _f(0, "TCP port of the weight-sync store (0 = pick a free one)")
 
 
@@ -335,8 +335,8 @@ def validate(cfg: Config) -> None:
     _require(cfg.reward.num_workers >= 1, "reward.num_workers", f"must be >= 1, got {cfg.reward.num_workers}")
     _require(cfg.reward.timeout_s > 0, "reward.timeout_s", f"must be > 0, got {cfg.reward.timeout_s}")
     _require(0 < cfg.reward.max_invalid_frac <= 1, "reward.max_invalid_frac", "must be in (0, 1]")
-    _require(cfg.ray.weight_sync_backend in ("auto", "gloo", "nccl"), "ray.weight_sync_backend",
-             f"must be auto, gloo or nccl, got {cfg.ray.weight_sync_backend!r}")
+    _require(cfg.ray.weight_sync_backend in ("auto", "gloo", "nccl", "ipc"), "ray.weight_sync_backend",
+             f"must be auto, gloo, nccl or ipc, got {cfg.ray.weight_sync_backend!r}")
     for i, entry in enumerate(cfg.data.mix):
         _require(isinstance(entry, dict) and set(entry) == {"source", "weight"}, f"data.mix[{i}]",
                  f"must be a mapping {{source: ..., weight: ...}}, got {entry!r}")

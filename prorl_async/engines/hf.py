@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 
 from prorl_async.engines.base import Completion, SamplingSpec
-from prorl_async.weight_sync import WeightSyncGroup, tensor_checksum
+from prorl_async.weight_sync import IpcWeightReceiver, WeightSyncGroup, tensor_checksum
 from prorl_async.models import load_model, load_tokenizer
 
 
@@ -73,21 +73,30 @@ class HFEngine:
         return list(self.model.named_parameters())
 
     def init_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
-                         timeout_s: float = 120.0) -> bool:
-        # received buffers live where the backend moves them (NCCL: this engine's GPU), then load into the
-        # model; the engine announces its dtype so the sender casts on its side (bf16 on the wire for bf16)
-        dtype = next(t.dtype for _, t in self.named_tensors() if t.is_floating_point())
-        device = str(self.device) if backend == "nccl" else "cpu"
-        self._sync = WeightSyncGroup(host, port, rank, world_size, backend, timeout_s, wire_dtype=dtype, device=device)
-        return True
+                         timeout_s: float = 120.0) -> str:
+        """Join the weight-sync group as ``rank``; returns the dtype this engine announces.
 
-    def receive_weights(self) -> dict:
-        """Receive one broadcast into staging; applied at the next request boundary."""
+        Received buffers live where the backend moves them (NCCL: this engine's GPU), then load
+        into the model; the engine announces its dtype so the sender casts on its side (bf16 on
+        the wire for bf16). ``ipc``: no group; the learner's handles arrive with each update."""
+        dtype = next(t.dtype for _, t in self.named_tensors() if t.is_floating_point())
+        if backend == "ipc":
+            self._sync = IpcWeightReceiver(rank, str(self.device), wire_dtype=dtype)
+        else:
+            device = str(self.device) if backend == "nccl" else "cpu"
+            self._sync = WeightSyncGroup(host, port, rank, world_size, backend, timeout_s, wire_dtype=dtype,
+                                         device=device)
+        return str(dtype).removeprefix("torch.")
+
+    def receive_weights(self, payload: Optional[dict] = None) -> dict:
+        """Receive one update into staging; applied at the next request boundary. ``payload``:
+        the learner's handles (ipc), copied here, so the learner may free its snapshot."""
         shapes = [(n, tuple(t.shape), t.dtype) for n, t in self.named_tensors()]
         t0 = time.perf_counter()
-        version, tensors = self._sync.receive(shapes)
+        version, tensors = self._sync.receive(payload, shapes) if payload is not None else self._sync.receive(shapes)
         with self._lock:
             self._staged = (version, [(n, t.clone()) for n, t in tensors])
+        del tensors  # an ipc mapping of the learner's memory ends here
         return {"version": version, "seconds": time.perf_counter() - t0, "applied": False}
 
     def _apply_staged(self) -> None:

@@ -210,18 +210,21 @@ class VLLMEngine:
         return results[0]  # every TP rank did the same; rank 0 reports
 
     def init_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
-                         timeout_s: float = 120.0) -> bool:
-        """Every worker joins the group: ranks ``rank .. rank + weight_sync_ranks - 1``."""
+                         timeout_s: float = 120.0) -> str:
+        """Every worker joins the group: ranks ``rank .. rank + weight_sync_ranks - 1`` (``ipc``:
+        each worker maps the learner's handles of its rank). Returns the announced dtype."""
         with self._lock:
             self._rpc("prorl_init_weight_sync", host, port, rank, world_size, backend, timeout_s, self.manifest)
-        return True
+        return next((dt for _, _, dt in self.manifest if dt.startswith(("float", "bfloat"))), "float32")
 
-    def receive_weights(self) -> dict:
-        """Receive one broadcast inside the worker(s). Applied now when idle or with in-flight
-        updates (pause between two engine steps, update, resume), else at the next request."""
+    def receive_weights(self, payload: Optional[dict] = None) -> dict:
+        """Receive one update inside the worker(s). Applied now when idle or with in-flight
+        updates (pause between two engine steps, update, resume), else at the next request.
+        ``payload`` (ipc): the learner's handles, plain data, passed to the worker process by
+        ``collective_rpc`` like every other argument; the tensors stay in the learner's memory."""
         with self._lock:
             apply = self.inflight_weight_updates or not self._busy
-            info = self._rpc("prorl_receive", apply)
+            info = self._rpc("prorl_receive", apply, payload)
             if info["applied"]:
                 self._after_update()
                 self.version = info["version"]

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from prorl_async.weight_sync import WeightSyncError, WeightSyncGroup, tensor_checksum
+from prorl_async.weight_sync import IpcWeightReceiver, WeightSyncError, WeightSyncGroup, tensor_checksum
 
 
 class WeightSyncWorkerExtension:
@@ -36,21 +36,32 @@ class WeightSyncWorkerExtension:
         device = "cpu" if backend == "gloo" else str(self.device)
         self._prorl_expected = [(n, tuple(s), getattr(torch, dt)) for n, s, dt in manifest]
         wire = next((dt for _, _, dt in self._prorl_expected if dt.is_floating_point), None)
-        self._prorl_sync = WeightSyncGroup(host, port, rank, world_size, backend, timeout_s, device=device,
-                                           wire_dtype=wire)  # the sender casts to the engine's dtype
+        if backend == "ipc":  # same device: the learner's handles come with each update
+            self._prorl_sync = IpcWeightReceiver(rank, str(getattr(self, "device", "cpu")),
+                                                 wire_dtype=wire)
+        else:
+            self._prorl_sync = WeightSyncGroup(host, port, rank, world_size, backend, timeout_s, device=device,
+                                               wire_dtype=wire)  # the sender casts to the engine's dtype
         self._prorl_staged = None
         self._prorl_version = 0
         self._prorl_checksum = checksum  # of the weights in use, in checkpoint (HF) layout
         self._prorl_broken = None
         return rank
 
-    def prorl_receive(self, apply: bool) -> dict:
-        """Receive one broadcast into staging; apply it now when ``apply``."""
+    def prorl_receive(self, apply: bool, payload: Optional[dict] = None) -> dict:
+        """Receive one update into staging; apply it now when ``apply``. ``payload``: the
+        learner's handles (ipc); what is staged for later is copied out of the learner's memory."""
         t0 = time.perf_counter()
-        version, tensors = self._prorl_sync.receive(self._prorl_expected)  # raises before staging on mismatch
+        if payload is not None:
+            version, tensors = self._prorl_sync.receive(payload, self._prorl_expected)
+        else:
+            version, tensors = self._prorl_sync.receive(self._prorl_expected)  # raises before staging on mismatch
         if not all(torch.isfinite(t).all() for _, t in tensors):
             raise WeightSyncError(f"weights of version {version} hold non-finite values; update discarded")
+        if payload is not None and not apply:
+            tensors = [(n, t.clone()) for n, t in tensors]
         self._prorl_staged = (version, tensors, tensor_checksum([t for _, t in tensors]))
+        del tensors
         received = time.perf_counter() - t0
         applied = self.prorl_apply_staged() if apply else None
         return {"version": version, "receive_s": received, "applied": applied is not None,

@@ -1,6 +1,7 @@
 """Run by tests/engines/test_vllm_multiprocess.py in a fresh interpreter: vLLM's default
 multiprocess engine core (``VLLM_ENABLE_V1_MULTIPROCESSING`` unset, as in a real run) generates,
-joins a gloo weight-sync group from its worker process, receives weights and generates with them.
+joins a gloo weight-sync group from its worker process (or, with ``ipc``, gets shared-memory
+handles through ``collective_rpc``), receives weights and generates with them.
 Prints one JSON line of findings; any failed check exits non-zero."""
 
 from __future__ import annotations
@@ -11,14 +12,14 @@ import sys
 import threading
 
 
-def main(model_path: str) -> None:
+def main(model_path: str, backend: str = "gloo") -> None:
     import torch
 
     from prorl_async.engines.base import SamplingSpec
     from prorl_async.engines.hf import HFEngine
     from prorl_async.engines.vllm import VLLMEngine
     from prorl_async.models import load_model
-    from prorl_async.weight_sync import WeightSyncGroup, free_port, tensor_checksum
+    from prorl_async.weight_sync import IpcWeightSender, WeightSyncGroup, free_port, tensor_checksum
 
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ, "the default engine must be tested"
     v = VLLMEngine(model_path, dtype="float32", seed=0, kv_cache_gb=0.25)
@@ -40,11 +41,18 @@ def main(model_path: str) -> None:
             g = WeightSyncGroup("127.0.0.1", port, 0, 2, "gloo", timeout_s=120)
             g.send([(n, p.detach()) for n, p in learner.named_parameters()], version=1)
 
-        th = threading.Thread(target=learner_side)
-        th.start()
-        v.init_weight_sync("127.0.0.1", port, 1, 2, "gloo", timeout_s=120)
-        info = v.receive_weights()
-        th.join(120)
+        if backend == "ipc":  # the handles travel to the worker process; the bytes stay in this one
+            sender = IpcWeightSender(1)
+            payload, _ = sender.send([(n, p.detach()) for n, p in learner.named_parameters()], version=1)
+            v.init_weight_sync("127.0.0.1", port, 1, 2, "ipc", timeout_s=120)
+            info = v.receive_weights(payload)
+            sender.release()
+        else:
+            th = threading.Thread(target=learner_side)
+            th.start()
+            v.init_weight_sync("127.0.0.1", port, 1, 2, "gloo", timeout_s=120)
+            info = v.receive_weights()
+            th.join(120)
         version, checksum = v.weights_checksum()
         h.load_weights(learner.named_parameters())
         outs = v.generate(prompts, spec)
@@ -68,4 +76,4 @@ def _core_pid(v):
 
 
 if __name__ == "__main__":  # the engine core is spawned: the guard is required
-    main(sys.argv[1])
+    main(*sys.argv[1:])
