@@ -91,9 +91,9 @@ PRESETS = {
     "tiny": {"config": None, "steps": 30, "prompts_per_step": 32, "n": 8, "max_new_tokens": 8, "lr": 2e-4,
              "modes": "0,1", "cache_dir": os.environ.get("PRORL_ASYNC_CACHE", "/tmp/prorl-cache"),
              "eval_trl": False},
-    # configs/smollm2_cpu.yaml's own sizes (8 prompts x 4 samples x 64 tokens, lr 5e-6, no KL, fp32)
+    # configs/smollm2_cpu.yaml's own sizes (8 prompts x 4 samples x 64 tokens, lr 1e-5, no KL, fp32)
     "smollm2": {"config": str(ROOT / "configs" / "smollm2_cpu.yaml"), "steps": 3, "prompts_per_step": 8, "n": 4,
-                "max_new_tokens": 64, "lr": 5e-6, "modes": "1", "cache_dir": "", "eval_trl": True},
+                "max_new_tokens": 64, "lr": 1e-5, "modes": "1", "cache_dir": "", "eval_trl": True},
 }
 
 
