@@ -160,6 +160,20 @@ class TrainingLoop:
         self.broadcast_weights()
         self.log_step(metrics)
 
+    def grader_health(self) -> dict:
+        """The grader's ``grader/*`` counts of this step (timeouts, errors, restarts, queue wait). Per-step
+        counts only: the grader process's own totals restart with it (a resume, a restart). A grader that
+        died or is restarting has lost them: its death is counted (once, however many calls see it) and
+        the step goes on; this call runs inside the train step's completion, so letting the error
+        through would stop the run as a failure of the learner."""
+        try:
+            health = ray.get(self.actors.grader.metrics_since_last.remote())
+        except ray.exceptions.RayActorError as err:  # ActorDiedError, ActorUnavailableError (restarting)
+            log.warning("the grader died (%s); Ray restarts it, this step has no grader/* counts", cause(err))
+            self.failures.count("grader", err)
+            return {}
+        return {k: v for k, v in health.items() if k.startswith("grader/") and not k.endswith("_total")}
+
     def broadcast_weights(self) -> None:
         """Weights out to every generator (each applies them at its next request boundary)."""
         s = self.s
@@ -189,9 +203,7 @@ class TrainingLoop:
         m.update(utilisation_metrics(now - s.t_start, s.train_busy_s, s.gen_busy_s, s.busy_s))
         m.update(s.last_sync)
         m.update(ray.get(self.actors.buffer.metrics.remote()))
-        health = ray.get(self.actors.grader.metrics_since_last.remote())  # timeouts, errors, restarts, queue wait
-        # per-step counts only: the grader process's own totals restart with it (a resume, a restart)
-        m.update({k: v for k, v in health.items() if k.startswith("grader/") and not k.endswith("_total")})
+        m.update(self.grader_health())
         m.update({f"reward/invalid_{reason}": v for reason, v in s.invalid_by_reason.items()})
         s.window = zero_sums()
         self.refill.step_done(now)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 
+from prorl_async.learners.core import NonFiniteStepError
+
 from actors.cluster import RunError, actor_died, cause, dead_actor_id
 
 log = logging.getLogger("prorl_async")
@@ -43,7 +45,7 @@ class FailurePolicy:
         elif handler == self.loop.on_trained:
             s.learner_dead = actor_died(err)  # an actor death, not an exception inside a live learner
             raise RunError(f"the learner failed at step {s.version + 1}: {cause(err)}"
-                           + (self.resume_hint() if s.learner_dead else ""))
+                           + (self.resume_hint() if s.learner_dead else self.good_weights_hint(err)))
         elif actor_died(err):
             raise self.lost(err)
         else:
@@ -70,6 +72,15 @@ class FailurePolicy:
         if s.checkpointed >= 0:
             return f"; no checkpoint is written now, continue from the last one (step {s.checkpointed}) with --resume"
         return "; no checkpoint was written yet: start the run again"
+
+    def good_weights_hint(self, err: Exception) -> str:
+        """A learner that stopped on the non-finite rule applied none of the updates it refused
+        (:mod:`prorl_async.learners.update_guard`): the checkpoint the stop writes holds good weights."""
+        nonfinite = isinstance(err, NonFiniteStepError) or isinstance(getattr(err, "cause", None), NonFiniteStepError)
+        if not nonfinite or self.loop.run_dir is None:
+            return ""
+        return (f"; the checkpoint written at this stop (step {self.loop.s.version}) holds the last good weights: "
+                f"fix the cause (train.lr ...), then continue with --resume {self.loop.run_dir}")
 
     def lost(self, err: Exception) -> RunError:
         """The error that stops a run whose buffer or learner actor died (their state is gone)."""

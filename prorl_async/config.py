@@ -126,6 +126,8 @@ class TrainConfig:
     batch_timeout_s: float = _f(600.0, "a learner step waiting longer than this for rollouts fails the run")
     sync_timeout_s: float = _f(120.0, "weight broadcast timeout")
     max_skipped_steps: int = _f(5, "consecutive non-finite steps before the run stops")
+    max_update_ratio: float = _f(1.0, "an optimizer update moving the weights by more than this fraction of their "
+                                      "norm is refused and counted as skipped (torch learner; 0 = off)")
     learner: str = _f("torch", "learner implementation: torch or deepspeed (ZeRO)")
     zero_stage: int = _f(2, "DeepSpeed ZeRO stage 0-3 (learner=deepspeed)")
     num_learners: int = _f(1, "data-parallel learner actors (each trains on its share of the groups)")
@@ -304,6 +306,7 @@ def _require(cond: bool, key: str, msg: str) -> None:
 def validate(cfg: Config) -> None:
     """Start-up checks; each names the field and what would work."""
     r, t, a = cfg.rollout, cfg.train, cfg.algo
+    _require(t.max_update_ratio >= 0, "train.max_update_ratio", f"must be >= 0 (0 = off), got {t.max_update_ratio}")
     _require(t.max_staleness >= 0, "train.max_staleness", f"must be >= 0 (0 = synchronous), got {t.max_staleness}")
     _require(t.total_steps >= 1, "train.total_steps", f"must be >= 1, got {t.total_steps}")
     _require(t.prompts_per_step >= 1, "train.prompts_per_step", f"must be >= 1, got {t.prompts_per_step}")

@@ -95,37 +95,46 @@ def test_killed_learner_fails_the_run_fast(ray_cluster, tmp_path, model_cache):
     assert time.time() - out["killed_at"] < 30  # seconds, not a hang
 
 
-def test_diverging_learner_skips_non_finite_updates_then_stops(ray_cluster, tmp_path, model_cache):
-    from actors.driver import RunError, run
-
-    # lr=1e30 blows the weights up after one update: every later loss is NaN and is skipped
+def test_diverging_learner_refuses_ruinous_updates_and_stops_with_good_weights(tmp_path, model_cache):
+    """train.lr=1e30 through the real CLI. Unguarded, AdamW's first update moves every weight by
+    about 1e30: finite weights (so the non-finite rule lets it through) whose next forward is NaN,
+    and the "last good" checkpoint the stop pointed to held them. The learner refuses such an update
+    before it is applied or broadcast (prorl_async/learners/update_guard.py), counts it, stops after
+    train.max_skipped_steps of them, and the checkpoint the error names holds the weights from before
+    the first refused update (here the starting model's, bitwise), whose logprobs are finite."""
     from safetensors.torch import load_file
 
     from prorl_async.checkpoint import list_checkpoints, load_latest
+    from prorl_async.config import load_config
+    from prorl_async.models import load_model, resolve_model_path
 
     # the blown-up policy is never right, so dynamic sampling refills without end: no refill bound here
-    cfg = _cfg(tmp_path, model_cache, "train.total_steps=20", "train.lr=1e30", "train.max_skipped_steps=3",
-               "train.mini_batches=1", "train.eval_interval=0", "train.checkpoint_interval=1", "train.keep_last=30",
-               "algo.max_refill_rounds=0")
-    with pytest.raises(RunError, match="non-finite"):
-        run(cfg)
-    # the run stopped with a checkpoint of its last state, which a resume can load
+    over = [*SMALL, "train.total_steps=20", "train.lr=1e30", "train.max_skipped_steps=3", "train.mini_batches=1",
+            "train.eval_interval=0", "train.checkpoint_interval=1", "train.keep_last=30",
+            f"run_dir={tmp_path / 'run'}", f"tracking.aim_repo={tmp_path / 'aim'}", f"model.cache_dir={model_cache}"]
+    res = cli("train", *over, cwd=ROOT, env={"PYTHONPATH": str(ROOT)})
+    assert res.returncode == 1, res.stderr[-3000:]
+    err = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and "NonFiniteStepError" in err[0] and "train.max_update_ratio" in err[0], err
     ckpt = load_latest(str(tmp_path / "run"))
-    assert 1 <= ckpt.step < 20
+    assert f"checkpoint written at this stop (step {ckpt.step}) holds the last good weights" in err[0], err
+    assert f"--resume {tmp_path / 'run'}" in err[0], err
     history = [json.loads(line) for line in (ckpt.path / "history.jsonl").read_text().splitlines()]
-    assert len(history) == ckpt.step
-    applied = [h["step"] for h in history if h["actor/updates"] > 0]
-    skipped = [h["step"] for h in history if h["actor/updates"] == 0]
-    assert applied and skipped and max(applied) < min(skipped)  # good steps, then only skipped ones
-    assert history[-1]["actor/skipped_updates"] == len(skipped)  # every skipped update is counted
-    weights = {int(p.name.split("-")[1]): load_file(p / "policy" / "model.safetensors") for p in list_checkpoints(tmp_path / "run")}
-    last_good = weights[max(applied)]
-    assert all(torch.isfinite(t).all() for t in last_good.values())
-    for step in skipped:  # a skipped update leaves the weights bitwise as they were
-        assert weights[step].keys() == last_good.keys()
-        assert all(torch.equal(weights[step][k], last_good[k]) for k in last_good), step
-    assert any(not torch.equal(weights[max(applied)][k], weights[min(applied)][k]) for k in last_good) \
-        or len(applied) == 1  # applied updates do change them
+    assert len(history) == ckpt.step == 2  # steps 1 and 2 refused one update each; step 3's refusal stops
+    assert all(h["actor/updates"] == 0 for h in history)
+    assert [h["actor/refused_updates"] for h in history] == [1.0, 2.0]  # refused as too large, not non-finite
+    assert [h["actor/skipped_updates"] for h in history] == [1.0, 2.0]  # and counted as skipped
+    cfg = load_config(None, over)
+    start = resolve_model_path(cfg.model, seed=cfg.train.seed)  # the built-in model, from the cache
+    initial = load_model(start)
+    for p in list_checkpoints(tmp_path / "run"):  # every checkpoint: the weights from before the refused updates
+        weights = load_file(p / "policy" / "model.safetensors")
+        assert weights and all(torch.equal(t, initial.state_dict()[k]) for k, t in weights.items()), p.name
+    named = load_model(str(ckpt.path / "policy")).eval()
+    ids = torch.randint(0, named.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logprobs = torch.log_softmax(named(ids).logits.float(), dim=-1)
+    assert torch.isfinite(logprobs).all()
 
 
 def test_grader_failure_rate_above_bound_stops_with_reasons(tmp_path, model_cache):

@@ -18,6 +18,9 @@ Per step (DESIGN.md section 1; formulas in :mod:`prorl_async.algo`):
 5. the non-finite rule: a mini-batch whose loss or gradient norm is non-finite changes
    nothing (weights and optimizer state bitwise as before), is counted in
    ``actor/skipped_updates``, and ``train.max_skipped_steps`` of them in a row stop the run;
+   an update with finite numbers that would wreck the weights (``train.lr=1e30``) is refused
+   the same way by the learner's ``finish_update`` (:mod:`prorl_async.learners.update_guard`,
+   also counted in ``actor/refused_updates``), so the weights a stop keeps are good ones;
 6. training/inference mismatch (:mod:`prorl_async.algo.mismatch`) on the start-of-step
    logprobs: ``mismatch/*`` over tokens generated with the learner's current weights
    (``policy_version`` = learner version), ``mismatch/all_*`` over all tokens;
@@ -348,8 +351,10 @@ class LearnerCore:
                     o.skipped_in_row += 1
                     if o.skipped_in_row >= t.max_skipped_steps:
                         raise NonFiniteStepError(
-                            f"{o.skipped_in_row} consecutive updates had a non-finite loss or gradient norm "
-                            f"(train.max_skipped_steps={t.max_skipped_steps}); stopping with the last good weights")
+                            f"{o.skipped_in_row} consecutive updates had a non-finite loss or gradient norm, or "
+                            f"would have moved the weights by more than train.max_update_ratio={t.max_update_ratio} "
+                            f"of their norm (train.max_skipped_steps={t.max_skipped_steps}); stopping with the last "
+                            f"good weights (no such update was applied)")
                     continue
                 o.skipped_in_row = 0
                 updates += 1
@@ -360,6 +365,7 @@ class LearnerCore:
         metrics.update({
             "actor/grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
             "actor/skipped_updates": float(o.skipped_total),
+            "actor/refused_updates": float(getattr(getattr(o, "guard", None), "refused_total", 0)),  # too large
             "actor/updates": float(updates),
             "is/nonfinite_behavior_samples": float(o.reduce(b["beh_bad"].sum().double().reshape(1), "sum")),
         })

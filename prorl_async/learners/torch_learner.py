@@ -18,6 +18,7 @@ import torch
 from prorl_async.learners.core import (  # noqa: F401  (re-exported for callers of this module)
     LearnerCore, NonFiniteStepError, algo_state, batch_metrics, batch_to_tensors, cpu_has_bf16, micro_batch_loss,
     prepare_batch)
+from prorl_async.learners.update_guard import UpdateGuard
 from prorl_async.models import load_model
 
 
@@ -40,6 +41,7 @@ class TorchLearner:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
         warm = max(1, t.warmup_lr_steps)
         self.lr_sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / warm))
+        self.guard = UpdateGuard(self.opt, t.max_update_ratio)  # refuses a ruinous (finite) update
         self.length_schedule, self.ref_policy = algo_state(a)
         self.version = 0
         self.skipped_in_row = 0
@@ -61,7 +63,8 @@ class TorchLearner:
         loss.backward()
 
     def finish_update(self, finite: bool) -> tuple[bool, float]:
-        """Clip and step; a non-finite loss or gradient norm leaves weights and AdamW untouched."""
+        """Clip and step; a non-finite loss or gradient norm, or an update larger than
+        ``train.max_update_ratio`` times the weights' norm, leaves weights and AdamW untouched."""
         if not finite:
             self.opt.zero_grad(set_to_none=True)
             return False, float("nan")
@@ -69,8 +72,7 @@ class TorchLearner:
         if not torch.isfinite(grad_norm):
             self.opt.zero_grad(set_to_none=True)
             return False, float(grad_norm)
-        self.opt.step()
-        return True, float(grad_norm)
+        return self.guard.step(), float(grad_norm)
 
     def token_logprobs(self, model, b: dict, rows: slice, with_entropy: bool = False):
         """Per-response-token logprobs (and entropies) at temperature ``rollout.temperature``."""
@@ -121,6 +123,7 @@ class TorchLearner:
         from prorl_async.rng import set_rng_state
 
         _load_weights(self.model, sd["model"], "policy")
+        self.guard.forget_norm()
         if self.ref is not None:
             _load_weights(self.ref, sd["reference"] if sd.get("reference") is not None else sd["model"], "reference")
         self.opt.load_state_dict(sd["optimizer"])
