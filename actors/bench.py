@@ -61,7 +61,7 @@ def _bf16_available() -> bool:
 def jobs(quick: bool, cache_dir: str) -> dict[str, Job]:
     """The benchmarks in the order they run (cheapest first). ``cache_dir``: the built-in models."""
     precisions = "fp32,bf16" if _bf16_available() else "fp32"
-    learner_q = ("--steps", "1", "--peak-n", "1024", "--rows", "16", "--prompt-len", "16", "--response-len", "48",
+    learner_q = ("--steps", "1", "--peak-n", "1024", "--rows", "32", "--prompt-len", "16", "--response-len", "32",
                  "--micro-batch", "16", "--precisions", precisions)
     return {
         "weight_sync": Job("bench_weight_sync.py", "bench_weight_sync",
@@ -71,11 +71,8 @@ def jobs(quick: bool, cache_dir: str) -> dict[str, Job]:
                        quick=("--sizes", "small-6M", *learner_q),
                        full=("--precisions", precisions), summarize="sum_learner"),
         "learner_packing": Job("bench_learner.py", "bench_learner_packing",
-                               quick=("--mode", "packing", "--rows", "8", "--prompt-len", "16", "--response-len", "48",
-                                      "--steps", "1", "--peak-n", "1024", "--micro-batch", "8",
-                                      "--micro-batch-tokens", "256", "--chunk-tokens", "128", "--precisions", precisions),
-                               full=("--mode", "packing", "--precisions", precisions),
-                               requires_mode="packing", summarize="sum_learner"),
+                               quick=(), full=("--mode", "packing", "--precisions", precisions),
+                               requires_mode="packing", summarize="sum_learner", extra={"full_only": True}),
         "learner_smollm2": Job("bench_learner.py", "bench_learner_smollm2",
                                quick=(), full=("--mode", "smollm2", "--precisions", precisions),
                                requires_mode="smollm2", summarize="sum_learner", extra={"full_only": True}),
@@ -84,7 +81,7 @@ def jobs(quick: bool, cache_dir: str) -> dict[str, Job]:
                                  "--repeats", "1"),
                           needs=("vllm",), summarize="sum_generation"),
         "buffer": Job("bench_buffer.py", "bench_buffer",
-                      quick=("--response-lens", "1024", "--total-mb", "16", "--groups-per-take", "8",
+                      quick=("--response-lens", "1024", "--total-mb", "8", "--groups-per-take", "8",
                              "--memcpy-mb", "64"),
                       summarize="sum_buffer"),
         "e2e": Job("bench_e2e.py", "bench_e2e",
@@ -333,6 +330,8 @@ def run_bench(quick: bool, only: str = "", out: str = "", timeout: float | None 
     for name in names:
         job = all_jobs[name]
         missing = [mod for mod in job.needs if importlib.util.find_spec(mod) is None]
+        if quick and job.extra.get("full_only"):
+            missing.append("a --quick size (a SmolLM2-135M-shaped model; run without --quick)")
         if job.requires_mode:
             helps.setdefault(job.script, _script_modes(bdir / job.script))
             if job.requires_mode not in helps[job.script]:
