@@ -12,7 +12,8 @@ own defaults), points their JSON/PNG output at ``--out`` (``$PRORL_BENCH_OUT``, 
   its ``learner`` mode and, in full mode, ``packing`` and, where the script has it, ``smollm2``);
 * generation: vLLM tokens/s / transformers tokens/s on the same model and prompts
   (``bench_generation.py``; skipped with the reason when vllm is not installed);
-* buffer → learner: bytes/s of a ``take`` / memcpy bandwidth (``bench_buffer.py``);
+* buffer → learner: bytes/s of a batch from the buffer to the learner / memcpy bandwidth
+  (``bench_rollout_transport.py`` where the checkout has it; ``bench_buffer.py``'s ``take``);
 * end to end: asynchronous / synchronous trained samples/s (``bench_e2e.py``).
 
 A script that fails (or runs past ``--timeout``) is reported in the table with its error, the
@@ -84,6 +85,8 @@ def jobs(quick: bool, cache_dir: str) -> dict[str, Job]:
                       quick=("--response-lens", "1024", "--total-mb", "8", "--groups-per-take", "8",
                              "--memcpy-mb", "64"),
                       summarize="sum_buffer"),
+        "rollout_transport": Job("bench_rollout_transport.py", "bench_rollout_transport",
+                                 quick=("--repeats", "4"), summarize="sum_rollout_transport"),
         "e2e": Job("bench_e2e.py", "bench_e2e",
                    quick=("--steps", "3", "--modes", "0,1", "--eval-interval", "1000", "--cache-dir", cache_dir),
                    full=("--cache-dir", cache_dir), summarize="sum_e2e"),
@@ -137,6 +140,12 @@ def _get(d: dict, *keys):
     return cur
 
 
+def _f(d: dict, key: str, fmt: str) -> str:
+    """A detail number, or n/a when the JSON lacks it (older or newer scripts)."""
+    v = d.get(key)
+    return fmt.format(v) if isinstance(v, (int, float)) else "n/a"
+
+
 def _rows_of(payload: dict, *names: str) -> list[dict]:
     for n in names:
         if isinstance(payload.get(n), list):
@@ -150,8 +159,8 @@ def sum_weight_sync(p: dict) -> list[dict]:
         try:
             out.append(_row("weight_sync", f"protocol s / bare broadcast s ({r.get('model', '?')}, {r.get('mode', '?')})",
                             _get(r, "ratio"), "{:.2f}x", "<= 1.3x at 135M and 550M",
-                            f"{r.get('gb', 0):.2f} GB: protocol {r.get('gbps', 0):.2f} GB/s, bare "
-                            f"{r.get('raw_gbps', 0):.2f} GB/s, memcpy {p.get('memcpy_gbps', 0):.1f} GB/s"))
+                            f"{_f(r, 'gb', '{:.2f}')} GB: protocol {_f(r, 'gbps', '{:.2f}')} GB/s, bare "
+                            f"{_f(r, 'raw_gbps', '{:.2f}')} GB/s, memcpy {_f(p, 'memcpy_gbps', '{:.1f}')} GB/s"))
         except KeyError as e:
             out.append(_row("weight_sync", "protocol s / bare broadcast s", None, "", "<= 1.3x", f"key {e} missing"))
     return out
@@ -169,8 +178,8 @@ def sum_learner(p: dict) -> list[dict]:
         try:
             out.append(_row(p.get("benchmark", "learner"), f"8NT FLOP/s / {prec} matmul peak ({variant})",
                             _get(r, "frac_peak_8nt"), "{:.1%}", target + " (SmolLM2-135M, packing on)",
-                            f"{what}: {r.get('tok_s', 0):.0f} tok/s, {r.get('gflops_8nt', 0):.1f} of "
-                            f"{r.get('peak_gflops', 0):.0f} GFLOP/s"))
+                            f"{what}: {_f(r, 'tok_s', '{:.0f}')} tok/s, {_f(r, 'gflops_8nt', '{:.1f}')} of "
+                            f"{_f(r, 'peak_gflops', '{:.0f}')} GFLOP/s"))
         except KeyError as e:
             out.append(_row(p.get("benchmark", "learner"), f"8NT FLOP/s / {prec} peak ({variant})", None, "", target,
                             f"key {e} missing"))
@@ -203,10 +212,25 @@ def sum_buffer(p: dict) -> list[dict]:
         try:
             out.append(_row("buffer", f"take bytes/s / memcpy ({label})", _get(r, "take_frac_memcpy"), "{:.1%}",
                             ">= 50% (256-row 8K-token batch to the learner)",
-                            f"take {r.get('take_gbps', 0):.2f} GB/s, put {r.get('put_gbps', 0):.2f} GB/s, "
-                            f"memcpy {p.get('memcpy_gbps', 0):.2f} GB/s"))
+                            f"take {_f(r, 'take_gbps', '{:.2f}')} GB/s, put {_f(r, 'put_gbps', '{:.2f}')} GB/s, "
+                            f"memcpy {_f(p, 'memcpy_gbps', '{:.2f}')} GB/s"))
         except KeyError as e:
             out.append(_row("buffer", f"take / memcpy ({label})", None, "", ">= 50%", f"key {e} missing"))
+    return out
+
+
+def sum_rollout_transport(p: dict) -> list[dict]:
+    out = []
+    for r in _rows_of(p, "results", "rows"):
+        label = f"{r.get('path', '?')}, {r.get('rows', '?')} rows, {_f(r, 'mb', '{:.0f}')} MB"
+        try:
+            out.append(_row("rollout_transport", f"buffer -> learner bytes/s / memcpy ({label})",
+                            _get(r, "frac_memcpy"), "{:.1%}", ">= 50% (256-row 8K-token batch)",
+                            f"{_f(r, 'gbps', '{:.2f}')} GB/s to the learner's answer; until it holds the batch "
+                            f"{_f(r, 'held_frac_memcpy', '{:.1%}')}; memcpy {_f(p, 'memcpy_gbps', '{:.2f}')} GB/s"))
+        except KeyError as e:
+            out.append(_row("rollout_transport", f"buffer -> learner / memcpy ({label})", None, "", ">= 50%",
+                            f"key {e} missing"))
     return out
 
 
@@ -219,8 +243,8 @@ def sum_e2e(p: dict) -> list[dict]:
         if s == 0:
             continue
         value = m.get("speedup_samples_s") if sync is not None else None
-        detail = (f"{m.get('samples_s', 0):.2f} vs {sync.get('samples_s', 0):.2f} samples/s; learner idle "
-                  f"{m.get('learner_idle', 0):.0%} vs {sync.get('learner_idle', 0):.0%}"
+        detail = (f"{_f(m, 'samples_s', '{:.2f}')} vs {_f(sync, 'samples_s', '{:.2f}')} samples/s; learner idle "
+                  f"{_f(m, 'learner_idle', '{:.0%}')} vs {_f(sync, 'learner_idle', '{:.0%}')}"
                   if sync is not None and value is not None else "key speedup_samples_s or the max_staleness=0 mode missing")
         out.append(_row("e2e", f"async (max_staleness={s}) / sync samples/s", value, "{:.2f}x", ">= 1.5x (SmolLM2 configs)",
                         detail))
@@ -330,6 +354,8 @@ def run_bench(quick: bool, only: str = "", out: str = "", timeout: float | None 
     for name in names:
         job = all_jobs[name]
         missing = [mod for mod in job.needs if importlib.util.find_spec(mod) is None]
+        if not (bdir / job.script).is_file():
+            missing.append(f"benchmarks/{job.script} (not in this checkout)")
         if quick and job.extra.get("full_only"):
             missing.append("a --quick size (a SmolLM2-135M-shaped model; run without --quick)")
         if job.requires_mode:

@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="small sizes: a few minutes on a 2-core CPU "
                    "(default: each script's own defaults, much longer)")
     b.add_argument("--only", default="", help="comma list of weight_sync, learner, learner_packing, learner_smollm2, "
-                   "generation, buffer, e2e (default: all)")
+                   "generation, buffer, rollout_transport, e2e (default: all)")
     b.add_argument("--out", default="", help="folder for the scripts' JSON/PNG, logs and bench_summary.json "
                    "(default: benchmarks/out/quick with --quick, else benchmarks/out)")
     b.add_argument("--timeout", type=float, default=None, help="seconds per script before it is killed and "
