@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 
-from tests.conftest import cli
+from tests.conftest import ROOT, cli
 
 RATIO = "protocol s / bare broadcast s (llama-25M, float32)"
 
@@ -53,3 +53,16 @@ def test_bench_unknown_name_is_one_error_line(tmp_path):
         "error: --only: unknown benchmark 'learnr'; choose from weight_sync, learner, learner_packing, "
         "learner_smollm2, generation, buffer, rollout_transport, e2e"]
     assert not (tmp_path / "bench_summary.json").exists()
+
+
+def test_bench_skips_a_script_the_checkout_lacks_with_the_reason(tmp_path):
+    bench_dir = tmp_path / "benchmarks"  # a benchmarks/ folder that has only the shared helpers
+    bench_dir.mkdir()
+    (bench_dir / "_common.py").write_text((ROOT / "benchmarks" / "_common.py").read_text())
+    r = cli("bench", "--quick", "--only", "rollout_transport", "--bench-dir", str(bench_dir),
+            "--out", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert re.search(r"^rollout_transport\s+-\s+n/a\s+skipped: benchmarks/bench_rollout_transport.py "
+                     r"\(not in this checkout\) not available", r.stdout, re.M), r.stdout
+    summary = json.loads((tmp_path / "out" / "bench_summary.json").read_text())
+    assert summary["failed"] == [] and "not in this checkout" in summary["jobs"][0]["skipped"]
