@@ -78,7 +78,7 @@ def jobs(quick: bool, cache_dir: str) -> dict[str, Job]:
                                quick=(), full=("--mode", "smollm2", "--precisions", precisions),
                                requires_mode="smollm2", summarize="sum_learner", extra={"full_only": True}),
         "generation": Job("bench_generation.py", "bench_generation",
-                          quick=("--models", "tiny-arith", "--prompts", "4", "--n", "2", "--max-new-tokens", "16",
+                          quick=("--models", "tiny-arith", "--prompts", "8", "--n", "2", "--max-new-tokens", "32",
                                  "--repeats", "1"),
                           needs=("vllm",), summarize="sum_generation"),
         "buffer": Job("bench_buffer.py", "bench_buffer",
