@@ -35,6 +35,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,7 +50,7 @@ class Job:
     full: tuple[str, ...] = ()  # arguments in full mode (the script's defaults unless needed)
     needs: tuple[str, ...] = ()  # importable modules without which the job is skipped
     requires_mode: str = ""  # a --mode choice the script must offer (newer scripts), else skipped
-    summarize: str = ""  # name of the function below that turns the JSON into table rows
+    summarize: Callable[[dict], list[dict]] | None = None  # the JSON -> table rows (functions below)
     extra: dict = field(default_factory=dict)
 
 
@@ -67,29 +68,29 @@ def jobs(quick: bool, cache_dir: str) -> dict[str, Job]:
     return {
         "weight_sync": Job("bench_weight_sync.py", "bench_weight_sync",
                            quick=("--sizes", "25M", "--modes", "float32", "--repeats", "2"),
-                           summarize="sum_weight_sync"),
+                           summarize=sum_weight_sync),
         "learner": Job("bench_learner.py", "bench_learner",
                        quick=("--sizes", "small-6M", *learner_q),
-                       full=("--precisions", precisions), summarize="sum_learner"),
+                       full=("--precisions", precisions), summarize=sum_learner),
         "learner_packing": Job("bench_learner.py", "bench_learner_packing",
                                quick=(), full=("--mode", "packing", "--precisions", precisions),
-                               requires_mode="packing", summarize="sum_learner", extra={"full_only": True}),
+                               requires_mode="packing", summarize=sum_learner, extra={"full_only": True}),
         "learner_smollm2": Job("bench_learner.py", "bench_learner_smollm2",
                                quick=(), full=("--mode", "smollm2", "--precisions", precisions),
-                               requires_mode="smollm2", summarize="sum_learner", extra={"full_only": True}),
+                               requires_mode="smollm2", summarize=sum_learner, extra={"full_only": True}),
         "generation": Job("bench_generation.py", "bench_generation",
                           quick=("--models", "tiny-arith", "--prompts", "8", "--n", "2", "--max-new-tokens", "32",
                                  "--repeats", "1"),
-                          needs=("vllm",), summarize="sum_generation"),
+                          needs=("vllm",), summarize=sum_generation),
         "buffer": Job("bench_buffer.py", "bench_buffer",
                       quick=("--response-lens", "1024", "--total-mb", "8", "--groups-per-take", "8",
                              "--memcpy-mb", "64"),
-                      summarize="sum_buffer"),
+                      summarize=sum_buffer),
         "rollout_transport": Job("bench_rollout_transport.py", "bench_rollout_transport",
-                                 quick=("--repeats", "4"), summarize="sum_rollout_transport"),
+                                 quick=("--repeats", "4"), summarize=sum_rollout_transport),
         "e2e": Job("bench_e2e.py", "bench_e2e",
                    quick=("--steps", "3", "--modes", "0,1", "--eval-interval", "1000", "--cache-dir", cache_dir),
-                   full=("--cache-dir", cache_dir), summarize="sum_e2e"),
+                   full=("--cache-dir", cache_dir), summarize=sum_e2e),
     }
 
 
@@ -291,7 +292,15 @@ def run_job(name: str, job: Job, bench_dir: Path, out_dir: Path, quick: bool, ti
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the script and everything it started (its Ray, vLLM)
+            os.killpg(proc.pid, signal.SIGINT)  # KeyboardInterrupt: the script's finally blocks stop its Ray
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of its process group (vLLM workers ...)
+            except ProcessLookupError:
+                pass
             proc.wait()
             rc = None
             res["error"] = f"ran past --timeout {timeout:.0f} s (killed)"
@@ -313,8 +322,8 @@ def summarize(name: str, job: Job, res: dict) -> list[dict]:
         return [_row(name, "FAILED", None, "", "", res["error"])]
     try:
         payload = json.loads(Path(res["json"]).read_text())
-        return globals()[job.summarize](payload)
-    except (KeyError, ValueError, TypeError) as e:
+        return job.summarize(payload)
+    except (KeyError, ValueError, TypeError, AttributeError) as e:  # a JSON of another shape: n/a, the rest runs
         return [_row(name, "n/a", None, "", "", f"{Path(res['json']).name}: {type(e).__name__} {e}")]
 
 
