@@ -6,6 +6,7 @@
     prorl-async eval --model runs/x --data builtin:humaneval --samples 4 --out r.json   # pass@1 / pass@k, no training
     prorl-async config [--config X] [overrides]         # print the resolved config / field docs
     prorl-async compare runs/a runs/b --out cmp.png     # runs side by side (run dirs or Aim hashes)
+    prorl-async bench --quick [--only weight_sync,buffer] [--out DIR]   # the benchmarks' ratio table
 
 Errors a user can fix (a bad config value, a missing file, a malformed dataset) are printed
 as one ``error:`` line and exit with status 2, never as a traceback from inside Ray.
@@ -82,6 +83,14 @@ def _compare(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    from actors.bench import run_bench
+
+    if args.timeout is not None and args.timeout <= 0:
+        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    return run_bench(args.quick, only=args.only, out=args.out, timeout=args.timeout, bench_dir=args.bench_dir)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prorl-async", description="ProRL v2 asynchronous RL on Ray")
     sub = p.add_subparsers(dest="command", required=True)
@@ -111,6 +120,17 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--repo", default="runs", help="Aim repo folder for hashes (default: runs)")
     m.add_argument("--out", default="compare.png", help="PNG of reward, accuracy, KL and length vs step and wall time")
     m.set_defaults(fn=_compare)
+    b = sub.add_parser("bench", help="run benchmarks/ scripts and print the table of issue 14's ratios")
+    b.add_argument("--quick", action="store_true", help="small sizes: a few minutes on a 2-core CPU "
+                   "(default: each script's own defaults, much longer)")
+    b.add_argument("--only", default="", help="comma list of weight_sync, learner, learner_packing, learner_smollm2, "
+                   "generation, buffer, rollout_transport, e2e (default: all)")
+    b.add_argument("--out", default="", help="folder for the scripts' JSON/PNG, logs and bench_summary.json "
+                   "(default: benchmarks/out/quick with --quick, else benchmarks/out)")
+    b.add_argument("--timeout", type=float, default=None, help="seconds per script before it is killed and "
+                   "reported as failed (default: 300 with --quick, none otherwise)")
+    b.add_argument("--bench-dir", default="", help="the benchmarks/ folder (default: the one next to this package)")
+    b.set_defaults(fn=_bench)
     return p
 
 

@@ -8,7 +8,8 @@ import platform
 import time
 from pathlib import Path
 
-OUT_DIR = Path(__file__).resolve().parent / "out"
+# $PRORL_BENCH_OUT (set by ``prorl-async bench --out DIR``) redirects every script's JSON/PNG
+OUT_DIR = Path(os.environ.get("PRORL_BENCH_OUT") or Path(__file__).resolve().parent / "out")
 
 
 def machine() -> dict:
