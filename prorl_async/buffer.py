@@ -134,6 +134,8 @@ class ReplayBuffer:
         self._heap.clear()
         table = state["table"]
         if table is not None and table.num_rows:
+            if "policy_version_end" not in table.column_names:  # a checkpoint from before the column
+                table = table.append_column("policy_version_end", table.column("policy_version"))
             self.restore(table.select(ROLLOUT_SCHEMA.names).cast(ROLLOUT_SCHEMA).combine_chunks())
         self.counters = Counter(state["counters"])
 
