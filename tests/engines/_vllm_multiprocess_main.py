@@ -1,27 +1,26 @@
 """Run by tests/engines/test_vllm_multiprocess.py in a fresh interpreter: vLLM's default
 multiprocess engine core (``VLLM_ENABLE_V1_MULTIPROCESSING`` unset, as in a real run) generates,
-joins a gloo weight-sync group from its worker process, receives weights and generates with them.
-Prints one JSON line of findings; any failed check exits non-zero."""
+joins a gloo weight-sync group from its worker process, receives weights and generates with them,
+then runs the in-flight update scenario (tests/engines/_inflight.py) on the same engine.
+Prints one JSON line of findings; the test makes the assertions."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
-import threading
 
 
 def main(model_path: str) -> None:
-    import torch
-
     from prorl_async.engines.base import SamplingSpec
     from prorl_async.engines.hf import HFEngine
     from prorl_async.engines.vllm import VLLMEngine
-    from prorl_async.models import load_model
-    from prorl_async.weight_sync import WeightSyncGroup, free_port, tensor_checksum
+    from prorl_async.weight_sync import tensor_checksum
+    from tests.engines._inflight import inflight_update
+    from tests.engines._weights import WeightPusher, perturbed
 
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ, "the default engine must be tested"
-    v = VLLMEngine(model_path, dtype="float32", seed=0, kv_cache_gb=0.25)
+    v = VLLMEngine(model_path, dtype="float32", seed=0, kv_cache_gb=0.25, inflight_weight_updates=True)
     try:
         core = type(v.engine.engine_core).__name__
         h = HFEngine(model_path, dtype="float32")
@@ -29,33 +28,21 @@ def main(model_path: str) -> None:
         spec = SamplingSpec(n=1, greedy=True, max_new_tokens=8)
         before_ok = [a[0].token_ids == b[0].token_ids for a, b in zip(v.generate(prompts, spec), h.generate(prompts, spec))]
 
-        learner = load_model(model_path, "float32")
-        torch.manual_seed(0)
-        with torch.no_grad():
-            for p in learner.parameters():
-                p.add_(0.05 * torch.randn_like(p))
-        port = free_port()
-
-        def learner_side():
-            g = WeightSyncGroup("127.0.0.1", port, 0, 2, "gloo", timeout_s=120)
-            g.send([(n, p.detach()) for n, p in learner.named_parameters()], version=1)
-
-        th = threading.Thread(target=learner_side)
-        th.start()
-        v.init_weight_sync("127.0.0.1", port, 1, 2, "gloo", timeout_s=120)
-        info = v.receive_weights()
-        th.join(120)
+        learner = perturbed(model_path, seed=0, scale=0.05)
+        info = WeightPusher(v).push(learner, version=1)
         version, checksum = v.weights_checksum()
         h.load_weights(learner.named_parameters())
         outs = v.generate(prompts, spec)
         after_ok = [a[0].token_ids == b[0].token_ids for a, b in zip(outs, h.generate(prompts, spec))]
-        print(json.dumps({
+        findings = {
             "engine_core": core, "engine_core_pid_differs": _core_pid(v) not in (None, os.getpid()),
             "greedy_equal_before": before_ok, "received_version": info["version"], "version": version,
             "checksum_equal": abs(checksum - tensor_checksum([p.detach() for p in learner.parameters()]))
             <= 1e-9 * max(1.0, abs(checksum)),
             "greedy_equal_after": after_ok, "policy_versions": [o[0].policy_version for o in outs],
-        }), flush=True)
+        }
+        findings["inflight"] = inflight_update(v, model_path)
+        print(json.dumps(findings), flush=True)
     finally:
         v.shutdown()
 
