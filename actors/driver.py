@@ -137,14 +137,16 @@ class TrainingLoop:
         s, G = self.s, self.cfg.train.prompts_per_step
         if s.training is not None or s.buffered < G:
             return
-        info = ray.get(self.actors.buffer.take.remote(s.version, G))
+        info = ray.get(self.actors.buffer.take.remote(s.version, G))  # counts, and a reference to the table
         s.buffered -= info["taken"] + info["stale_dropped"]
         s.live -= info["taken"] + info["stale_dropped"]
         if info["table"] is None:
             return
         s.consumed += info["taken"]
         s.trained_groups.append(info["groups"])
-        s.training = self.actors.learner.train_step.remote(info["table"], s.version)
+        # by reference: wrapped in a list, Ray resolves it neither here nor in a LearnerGroup; the
+        # learner reads the buffer's object directly (actors.learner.resolve_batch)
+        s.training = self.actors.learner.train_step.remote([info["table"]], s.version)
         s.train_started = time.time()
         s.pending[s.training] = (self.on_trained, ())
 

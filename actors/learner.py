@@ -30,6 +30,15 @@ def optimizer_state_size(learner) -> float:
     return float(len(opt.state)) if isinstance(opt, torch.optim.Optimizer) else float("nan")
 
 
+def resolve_batch(batch):
+    """The batch table from what the driver hands a learner: ``[ObjectRef]`` (a reference Ray
+    does not resolve on the way, so the bytes go from the buffer's object to the learner's
+    process only), a bare ObjectRef, or a table."""
+    if isinstance(batch, (list, tuple)):
+        (batch,) = batch
+    return ray.get(batch) if isinstance(batch, ray.ObjectRef) else batch
+
+
 @ray.remote
 class LearnerActor:
     def __init__(self, cfg, model_path: str, rank: int = 0, world_size: int = 1, master: tuple = ("127.0.0.1", 0)):
@@ -57,7 +66,10 @@ class LearnerActor:
                                      device=sync_device(backend, self.learner.device))
         return True
 
-    def train_step(self, table, step: int) -> dict:
+    def train_step(self, batch, step: int) -> dict:
+        """``batch``: ``[ObjectRef]`` of the batch table, as the driver passes it (resolved here,
+        a zero-copy read of the buffer's object), or the table itself."""
+        table = resolve_batch(batch)
         return {**self.learner.train_step(table, step), "actor/optimizer_state_params": optimizer_state_size(self.learner)}
 
     def train_shard(self, table, step: int, world_size: int) -> dict:

@@ -16,6 +16,9 @@ class ReplayBufferActor:
         return self.buffer.put(batch)
 
     def take(self, learner_version: int, num_groups: int) -> dict:
+        """A small dict of counts, with ``table``: an ObjectRef of the batch (put into the object
+        store here, the one serialization on its way to the learner) or None. The driver hands
+        the reference on unresolved; the learner reads it (:func:`actors.learner.resolve_batch`)."""
         table, info = self.buffer.take(learner_version, num_groups)
         info["table"] = ray.put(table) if table is not None else None
         return info
