@@ -100,7 +100,8 @@ class TrainingLoop:
         """One generation request on generator ``i``, graded and put in the buffer by reference."""
         s, a = self.s, self.actors
         gen_ref = a.generators[i].generate.remote(rows, self.cfg.rollout.n, seed)
-        put_ref = a.buffer.put.remote(a.grader.grade.remote(rows, gen_ref))
+        graded = a.grader.grade.remote(rows, gen_ref)
+        put_ref = a.buffer.put.remote(graded, [graded])  # the batch (resolved by Ray), and its reference
         s.gen_busy[i], s.gen_started[i] = True, time.time()
         s.pending[gen_ref] = (self.on_generated, (i,))
         s.pending[put_ref] = (self.on_buffered, (len(rows),))
@@ -144,9 +145,9 @@ class TrainingLoop:
             return
         s.consumed += info["taken"]
         s.trained_groups.append(info["groups"])
-        # by reference: wrapped in a list, Ray resolves it neither here nor in a LearnerGroup; the
-        # learner reads the buffer's object directly (actors.learner.resolve_batch)
-        s.training = self.actors.learner.train_step.remote([info["table"]], s.version)
+        # by reference (actors.replay_buffer.BatchRefs): the rows stay in the objects the graded
+        # requests were put in; the learner maps them (neither this process nor a LearnerGroup does)
+        s.training = self.actors.learner.train_step.remote(info["table"], s.version)
         s.train_started = time.time()
         s.pending[s.training] = (self.on_trained, ())
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ray
 import torch
 
+from actors.replay_buffer import BatchRefs
 from prorl_async.learners.files import load_learner, write_learner
 from prorl_async.learners.core import shard_groups, sync_device
 from prorl_async.learners.torch_learner import TorchLearner
@@ -31,9 +32,11 @@ def optimizer_state_size(learner) -> float:
 
 
 def resolve_batch(batch):
-    """The batch table from what the driver hands a learner: ``[ObjectRef]`` (a reference Ray
-    does not resolve on the way, so the bytes go from the buffer's object to the learner's
-    process only), a bare ObjectRef, or a table."""
+    """The batch table from what the driver hands a learner: the buffer's
+    :class:`~actors.replay_buffer.BatchRefs` (the objects the rows already live in, mapped here
+    without a copy), ``[ObjectRef]`` or an ObjectRef of a table, or a table."""
+    if isinstance(batch, BatchRefs):
+        return batch.resolve()
     if isinstance(batch, (list, tuple)):
         (batch,) = batch
     return ray.get(batch) if isinstance(batch, ray.ObjectRef) else batch
@@ -72,9 +75,9 @@ class LearnerActor:
         table = resolve_batch(batch)
         return {**self.learner.train_step(table, step), "actor/optimizer_state_params": optimizer_state_size(self.learner)}
 
-    def train_shard(self, table, step: int, world_size: int) -> dict:
+    def train_shard(self, batch, step: int, world_size: int) -> dict:
         """Train on this rank's groups of the whole batch (read from the object store, zero-copy)."""
-        return self.learner.train_step(shard_groups(table, self.rank, world_size), step)
+        return self.learner.train_step(shard_groups(resolve_batch(batch), self.rank, world_size), step)
 
     def broadcast_weights(self) -> dict:
         named = self.learner.named_tensors()  # a collective under ZeRO-3: every rank calls it
@@ -134,7 +137,7 @@ class LearnerGroup:
         the same object and keeps its own groups (:func:`shard_groups`)."""
         if isinstance(batch, (list, tuple)):
             (batch,) = batch
-        ref = batch if isinstance(batch, ray.ObjectRef) else ray.put(batch)
+        ref = batch if isinstance(batch, (ray.ObjectRef, BatchRefs)) else ray.put(batch)
         results = ray.get([m.train_shard.remote(ref, step, self.n) for m in self.members])
         merged = dict(results[0])  # global quantities (whitening, token counts, mismatch/) are all-reduced already
         tokens = [max(float(r.get("perf/train_valid_tokens", 0.0)), 0.0) for r in results]

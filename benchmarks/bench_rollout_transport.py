@@ -8,11 +8,12 @@ real :class:`actors.replay_buffer.ReplayBufferActor` and a learner stand-in acto
 and returns its size (no training: this measures the transport). Paths, one batch at a time
 as the driver moves it, from the ``take`` call to the learner's answer:
 
-* ``by_reference`` (the driver now): ``take`` puts the table into the object store once and
-  returns counts plus its ObjectRef; the driver hands ``[ref]`` to the learner unresolved; the
-  learner maps the object (zero-copy, same node).
-* ``through_driver`` (what a driver that resolves the batch pays): the driver ``ray.get``\\ s the
-  table and passes it as an argument, so it is serialized a second time.
+* ``by_reference`` (the driver now): the graded requests were put into the buffer as the
+  driver puts them (the batch and its reference); ``take`` returns counts plus
+  :class:`actors.replay_buffer.BatchRefs` (the objects the rows already live in, row ranges);
+  the driver hands them to the learner unresolved; the learner maps and slices the objects.
+* ``through_driver`` (what a driver that resolves the batch pays): the driver resolves the
+  batch and passes the table as an argument, so it is serialized a second time.
 * ``put_get`` (Ray's floor for one hop): the driver ``ray.put``\\ s the same table and the
   stand-in resolves the reference.
 
@@ -81,18 +82,19 @@ def run_paths(args) -> tuple[list[dict], int]:
                            args.response_len)
     buffer = ReplayBufferActor.options(num_cpus=0).remote(1, True)
     learner = LearnerStandIn.remote()
-    ray.get([buffer.put.remote(ray.put(b)) for b in batches])
-    del batches
+    refs = [ray.put(b) for b in batches]  # the graded requests, in the object store
+    ray.get([buffer.put.remote(r, [r]) for r in refs])
+    del batches, refs  # the buffer holds the references now
 
     def by_reference():
         info = ray.get(buffer.take.remote(0, args.groups))
-        return ray.get(learner.train_step.remote([info["table"]], 0))
+        return ray.get(learner.train_step.remote(info["table"], 0))
 
     def through_driver():
         info = ray.get(buffer.take.remote(0, args.groups))
-        return ray.get(learner.train_step.remote(ray.get(info["table"]), 0))
+        return ray.get(learner.train_step.remote(info["table"].resolve(), 0))
 
-    held = ray.get(ray.get(buffer.take.remote(0, args.groups))["table"])  # one batch, for put_get
+    held = ray.get(buffer.take.remote(0, args.groups))["table"].resolve().combine_chunks()  # for put_get
 
     def put_get():
         return ray.get(learner.train_step.remote([ray.put(held)], 0))
