@@ -100,7 +100,8 @@ class TrainingLoop:
         """One generation request on generator ``i``, graded and put in the buffer by reference."""
         s, a = self.s, self.actors
         gen_ref = a.generators[i].generate.remote(rows, self.cfg.rollout.n, seed)
-        put_ref = a.buffer.put.remote(a.grader.grade.remote(rows, gen_ref))
+        graded = a.grader.grade.remote(rows, gen_ref)
+        put_ref = a.buffer.put.remote(graded, [graded])  # the batch (resolved by Ray), and its reference
         s.gen_busy[i], s.gen_started[i] = True, time.time()
         s.pending[gen_ref] = (self.on_generated, (i,))
         s.pending[put_ref] = (self.on_buffered, (len(rows),))
@@ -137,13 +138,15 @@ class TrainingLoop:
         s, G = self.s, self.cfg.train.prompts_per_step
         if s.training is not None or s.buffered < G:
             return
-        info = ray.get(self.actors.buffer.take.remote(s.version, G))
+        info = ray.get(self.actors.buffer.take.remote(s.version, G))  # counts, and a reference to the table
         s.buffered -= info["taken"] + info["stale_dropped"]
         s.live -= info["taken"] + info["stale_dropped"]
         if info["table"] is None:
             return
         s.consumed += info["taken"]
         s.trained_groups.append(info["groups"])
+        # by reference (actors.replay_buffer.BatchRefs): the rows stay in the objects the graded
+        # requests were put in; the learner maps them (neither this process nor a LearnerGroup does)
         s.training = self.actors.learner.train_step.remote(info["table"], s.version)
         s.train_started = time.time()
         s.pending[s.training] = (self.on_trained, ())

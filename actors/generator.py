@@ -3,8 +3,9 @@
 Threaded (``max_concurrency=3``) so a weight broadcast can be received into staging memory
 while a request is being generated. The engine owns the receive side of weight sync
 (:mod:`prorl_async.engines`): staged weights are applied at the next request boundary, so
-every response is produced by one policy version, which it carries (with vLLM's optional
-in-flight updates a response records the version of its first token).
+every response is produced by one policy version, which it carries. With vLLM's optional
+in-flight updates a response can span versions: it records the oldest (``policy_version``,
+by which the buffer and the learner account staleness) and the newest (``policy_version_end``).
 """
 
 from __future__ import annotations
@@ -84,8 +85,8 @@ class GeneratorActor:
         dt = time.perf_counter() - t0
         request_id = uuid.uuid4().hex[:12]
         cols = {k: [] for k in ("sample_id", "prompt_id", "domain", "prompt_ids", "response_ids",
-                                "behavior_logprobs", "policy_version", "finish_reason", "gen_time_s",
-                                "response_text", "request_id")}
+                                "behavior_logprobs", "policy_version", "policy_version_end", "finish_reason",
+                                "gen_time_s", "response_text", "request_id")}
         for k, (row, pids, comps) in enumerate(zip(rows, prompt_ids, outs)):
             for j, c in enumerate(comps):  # unique even if a prompt repeats within a request
                 cols["sample_id"].append(f"{request_id}-{k}-{row['id']}-{j}")
@@ -94,7 +95,8 @@ class GeneratorActor:
                 cols["prompt_ids"].append(pids)
                 cols["response_ids"].append(c.token_ids)
                 cols["behavior_logprobs"].append(c.logprobs)
-                cols["policy_version"].append(c.policy_version)
+                cols["policy_version"].append(c.policy_version)  # the oldest weights in the response
+                cols["policy_version_end"].append(c.policy_version_end)
                 cols["finish_reason"].append(c.finish_reason)
                 cols["gen_time_s"].append(dt / max(1, len(rows) * n))
                 cols["response_text"].append(self.tokenizer.decode(c.token_ids, skip_special_tokens=True))

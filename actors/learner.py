@@ -8,6 +8,7 @@ from __future__ import annotations
 import ray
 import torch
 
+from actors.replay_buffer import BatchRefs
 from prorl_async.learners.files import load_learner, write_learner
 from prorl_async.learners.core import shard_groups, sync_device
 from prorl_async.learners.torch_learner import TorchLearner
@@ -28,6 +29,17 @@ def optimizer_state_size(learner) -> float:
     while not isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "optimizer"):  # DeepSpeed's wrappers
         opt = opt.optimizer
     return float(len(opt.state)) if isinstance(opt, torch.optim.Optimizer) else float("nan")
+
+
+def resolve_batch(batch):
+    """The batch table from what the driver hands a learner: the buffer's
+    :class:`~actors.replay_buffer.BatchRefs` (the objects the rows already live in, mapped here
+    without a copy), ``[ObjectRef]`` or an ObjectRef of a table, or a table."""
+    if isinstance(batch, BatchRefs):
+        return batch.resolve()
+    if isinstance(batch, (list, tuple)):
+        (batch,) = batch
+    return ray.get(batch) if isinstance(batch, ray.ObjectRef) else batch
 
 
 @ray.remote
@@ -64,12 +76,15 @@ class LearnerActor:
                                      device=sync_device(backend, self.learner.device))
         return True
 
-    def train_step(self, table, step: int) -> dict:
+    def train_step(self, batch, step: int) -> dict:
+        """``batch``: ``[ObjectRef]`` of the batch table, as the driver passes it (resolved here,
+        a zero-copy read of the buffer's object), or the table itself."""
+        table = resolve_batch(batch)
         return {**self.learner.train_step(table, step), "actor/optimizer_state_params": optimizer_state_size(self.learner)}
 
-    def train_shard(self, table, step: int, world_size: int) -> dict:
+    def train_shard(self, batch, step: int, world_size: int) -> dict:
         """Train on this rank's groups of the whole batch (read from the object store, zero-copy)."""
-        return self.learner.train_step(shard_groups(table, self.rank, world_size), step)
+        return self.learner.train_step(shard_groups(resolve_batch(batch), self.rank, world_size), step)
 
     def broadcast_weights(self) -> dict:
         """``perf/sync_*`` metrics; with ipc also ``weights``, the payload of handles every
@@ -143,7 +158,7 @@ class LearnerGroup:
         the same object and keeps its own groups (:func:`shard_groups`)."""
         if isinstance(batch, (list, tuple)):
             (batch,) = batch
-        ref = batch if isinstance(batch, ray.ObjectRef) else ray.put(batch)
+        ref = batch if isinstance(batch, (ray.ObjectRef, BatchRefs)) else ray.put(batch)
         results = ray.get([m.train_shard.remote(ref, step, self.n) for m in self.members])
         merged = dict(results[0])  # global quantities (whitening, token counts, mismatch/) are all-reduced already
         tokens = [max(float(r.get("perf/train_valid_tokens", 0.0)), 0.0) for r in results]

@@ -1,10 +1,38 @@
-"""Replay-buffer actor: holds graded groups (Arrow, in the object store) for the learner."""
+"""Replay-buffer actor: holds graded groups (Arrow, in the object store) for the learner.
+
+By reference both ways: ``put`` receives a graded request resolved by Ray (a zero-copy view of
+its object) together with that object's reference, and ``take`` hands out :class:`BatchRefs`
+— the references of the objects the groups' rows already live in, with row ranges — instead of
+the rows themselves. The learner maps those objects and slices them (:meth:`BatchRefs.resolve`):
+a batch reaches it with no copy and no second serialization, and never passes through the
+driver. Only groups without an object of their own (restored from a checkpoint, or gathered
+from non-contiguous rows) are put into the object store, once, at ``take``.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import pyarrow as pa
 import ray
 
 from prorl_async.buffer import ReplayBuffer
+from prorl_async.data.schema import ROLLOUT_SCHEMA
+
+
+@dataclass
+class BatchRefs:
+    """A training batch by reference: ``(ObjectRef, first row, rows)`` per part, in batch order.
+    Nested in an argument, the references are not resolved by Ray on the way."""
+    parts: list
+    num_rows: int
+
+    def resolve(self) -> pa.Table:
+        unique = list(dict.fromkeys(r for r, _, _ in self.parts))  # a request's groups share its object
+        got = dict(zip(unique, ray.get(unique)))  # zero-copy: views of the object store
+        pieces = [got[r].slice(offset, length) for r, offset, length in self.parts]
+        return pa.Table.from_batches([b for p in pieces for b in (p.to_batches() if isinstance(p, pa.Table) else [p])],
+                                     schema=ROLLOUT_SCHEMA)
 
 
 @ray.remote
@@ -12,13 +40,39 @@ class ReplayBufferActor:
     def __init__(self, max_staleness: int, dynamic_sampling: bool):
         self.buffer = ReplayBuffer(max_staleness, dynamic_sampling)
 
-    def put(self, batch) -> dict:
-        return self.buffer.put(batch)
+    def put(self, batch, origin: list = ()) -> dict:
+        """``batch`` (resolved by Ray before the call, so the actor never waits for grading) and
+        ``origin``: ``[its ObjectRef]`` (a list, so Ray leaves it a reference) to hand out at take."""
+        return self.buffer.put(batch, origin=origin[0] if origin else None)
 
     def take(self, learner_version: int, num_groups: int) -> dict:
+        """A small dict of counts, with ``table``: :class:`BatchRefs` of the batch, or None."""
         table, info = self.buffer.take(learner_version, num_groups)
-        info["table"] = ray.put(table) if table is not None else None
+        sources = info.pop("sources", None)
+        info["table"] = None if table is None else self._refs(table, sources)
         return info
+
+    @staticmethod
+    def _refs(table: pa.Table, sources: list) -> BatchRefs:
+        parts, loose, row = [], [], 0  # loose: consecutive groups with no object, put once together
+        batches = iter(table.to_batches())  # one per group, in order (Table.from_batches of the groups)
+
+        def flush():
+            if loose:
+                rows = pa.Table.from_batches(loose, schema=ROLLOUT_SCHEMA)
+                parts.append((ray.put(rows), 0, rows.num_rows))
+                loose.clear()
+
+        for where in sources:
+            group = next(batches)
+            if where is None:
+                loose.append(group)
+            else:
+                flush()
+                parts.append(where)
+            row += group.num_rows
+        flush()
+        return BatchRefs(parts, row)
 
     def metrics(self) -> dict:
         return self.buffer.metrics()

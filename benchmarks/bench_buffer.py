@@ -87,6 +87,7 @@ def make_batches(num: int, plen: int, rlen: int, prompts: int = 16, n: int = 8):
             "domain": pa.array(["math"] * rows),
             "prompt_ids": prompt_ids, "response_ids": response_ids, "behavior_logprobs": logps,
             "policy_version": pa.array(np.zeros(rows, dtype=np.int64)),
+            "policy_version_end": pa.array(np.zeros(rows, dtype=np.int64)),
             "finish_reason": pa.array(["stop"] * rows),
             "raw_reward": pa.array(reward),
             "reward_valid": pa.array(np.ones(rows, dtype=bool)),

@@ -53,15 +53,18 @@ class ReplayBuffer:
     def __init__(self, max_staleness: int, dynamic_sampling: bool = True):
         self.max_staleness = max_staleness
         self.dynamic_sampling = dynamic_sampling
-        self._heap: list[tuple[int, int, pa.RecordBatch]] = []  # (version, seq, group rows)
+        self._heap: list[tuple] = []  # (version, seq, group rows, (origin, offset, length) or None)
         self._seq = itertools.count()
         self.counters: Counter = Counter()
 
     def __len__(self) -> int:
         return len(self._heap)
 
-    def put(self, batch: pa.RecordBatch) -> dict:
-        """Add one graded request; returns what was kept and dropped."""
+    def put(self, batch: pa.RecordBatch, origin=None) -> dict:
+        """Add one graded request; returns what was kept and dropped. ``origin``: an opaque
+        handle of where ``batch`` lives (the actor passes its object reference); a group that is
+        a contiguous run of its rows is remembered as ``(origin, offset, length)`` and
+        :meth:`take` hands that back, so the rows can reach the learner without a copy."""
         if batch.schema != ROLLOUT_SCHEMA:
             raise ValueError("replay buffer: batch does not have the rollout schema "
                              f"(got columns {batch.schema.names})")
@@ -95,7 +98,8 @@ class ReplayBuffer:
                 continue
             contiguous = good[-1] - good[0] + 1 == len(good)  # the usual case: a zero-copy slice
             rows = batch.slice(int(good[0]), len(good)) if contiguous else batch.take(pa.array(good))
-            heapq.heappush(self._heap, (int(versions[good].min()), next(self._seq), rows))
+            where = (origin, int(good[0]), len(good)) if contiguous and origin is not None else None
+            heapq.heappush(self._heap, (int(versions[good].min()), next(self._seq), rows, where))
             self.counters["groups_kept"] += 1
             kept += 1
         return {"kept": kept, "dropped": dropped, "dropped_by": dict(why), "invalid_samples": invalid, "size": len(self._heap),
@@ -103,7 +107,8 @@ class ReplayBuffer:
                 "stats": rollout_stats(batch)}
 
     def take(self, learner_version: int, num_groups: int) -> tuple[Optional[pa.Table], dict]:
-        """The ``num_groups`` oldest admissible groups as one Table, or None if too few."""
+        """The ``num_groups`` oldest admissible groups as one Table, or None if too few.
+        ``info["sources"]``: per group, ``(origin, offset, length)`` as given to :meth:`put`, or None."""
         stale = 0
         while self._heap and learner_version - self._heap[0][0] > self.max_staleness:
             heapq.heappop(self._heap)
@@ -115,7 +120,8 @@ class ReplayBuffer:
         table = pa.Table.from_batches([g[2] for g in groups], schema=ROLLOUT_SCHEMA)
         self.counters["groups_taken"] += num_groups
         keys = [f"{g[2].column('request_id')[0].as_py()}/{g[2].column('prompt_id')[0].as_py()}" for g in groups]
-        return table, {"stale_dropped": stale, "taken": num_groups, "size": len(self._heap), "groups": keys}
+        return table, {"stale_dropped": stale, "taken": num_groups, "size": len(self._heap), "groups": keys,
+                       "sources": [g[3] for g in groups]}
 
     def unconsumed(self) -> pa.Table:
         """Everything still waiting (for checkpoints and Parquet spills), oldest first."""
@@ -134,6 +140,8 @@ class ReplayBuffer:
         self._heap.clear()
         table = state["table"]
         if table is not None and table.num_rows:
+            if "policy_version_end" not in table.column_names:  # a checkpoint from before the column
+                table = table.append_column("policy_version_end", table.column("policy_version"))
             self.restore(table.select(ROLLOUT_SCHEMA.names).cast(ROLLOUT_SCHEMA).combine_chunks())
         self.counters = Counter(state["counters"])
 

@@ -95,3 +95,33 @@ def test_unconsumed_rows_survive_a_restore():
     b = ReplayBuffer(max_staleness=1)
     b.restore(a.unconsumed())
     assert len(b) == 2 and b.take(0, 2)[1]["groups"] == a.take(0, 2)[1]["groups"]
+
+
+def _spanning(req: str, oldest: list[int], newest: list[int]) -> pa.RecordBatch:
+    """One group whose samples received in-flight weight updates: versions oldest[j]..newest[j]."""
+    b = request(req, 0, {"p": [(1, True), (0, True), (1, True)][:len(oldest)]})
+    cols = b.to_pydict()
+    cols.update(policy_version=oldest, policy_version_end=newest)
+    return rollout_batch(cols)
+
+
+def test_staleness_is_accounted_by_the_oldest_version_in_a_response():
+    """A group that spans versions 1..3 (in-flight updates) is as stale as its oldest token:
+    with max_staleness=1 it is dropped at learner version 3, though its newest tokens are fresh."""
+    for learner_version, taken in ((2, 1), (3, 0)):
+        buf = ReplayBuffer(max_staleness=1)
+        buf.put(_spanning("r", oldest=[1, 2, 2], newest=[3, 3, 2]))
+        table, info = buf.take(learner_version, 1)
+        assert info["taken"] == taken and info["stale_dropped"] == 1 - taken, (learner_version, info)
+        if taken:
+            assert table.column("policy_version").to_pylist() == [1, 2, 2]
+            assert table.column("policy_version_end").to_pylist() == [3, 3, 2]
+
+
+def test_a_checkpoint_without_policy_version_end_restores():
+    """Checkpoints written before the column existed: one version per response."""
+    old = pa.Table.from_batches([request("r", 4, {"p": [(1, True), (0, True)]})]).drop_columns(["policy_version_end"])
+    buf = ReplayBuffer(max_staleness=1)
+    buf.load_state_dict({"table": old, "counters": {}})
+    table, info = buf.take(4, 1)
+    assert info["taken"] == 1 and table.column("policy_version_end").to_pylist() == [4, 4]

@@ -26,6 +26,9 @@ ROLLOUT_SCHEMA = pa.schema([
     pa.field("response_text", pa.string()),
     pa.field("grade_reason", pa.string()),
     pa.field("request_id", pa.string()),
+    # newest weights version among the response's tokens (in-flight weight updates); staleness
+    # is accounted by the oldest, ``policy_version``
+    pa.field("policy_version_end", pa.int64()),
 ])
 
 
@@ -34,6 +37,7 @@ def rollout_batch(columns: dict) -> pa.RecordBatch:
     n = len(columns["sample_id"])
     defaults = {"raw_reward": [0.0] * n, "reward_valid": [False] * n,
                 "grade_time_s": [0.0] * n, "gen_time_s": [0.0] * n, "grade_reason": ["ungraded"] * n}
+    defaults["policy_version_end"] = columns.get("policy_version")  # one version per response
     arrays = [pa.array(columns.get(f.name, defaults.get(f.name)), type=f.type) for f in ROLLOUT_SCHEMA]
     return pa.RecordBatch.from_arrays(arrays, schema=ROLLOUT_SCHEMA)
 

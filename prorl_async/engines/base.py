@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -13,6 +13,7 @@ class SamplingSpec:
     max_new_tokens: int = 16
     seed: int = 0
     greedy: bool = False
+    ignore_eos: bool = False  # vLLM only: always generate max_new_tokens (benchmarks, in-flight update tests)
 
 
 @dataclass
@@ -22,5 +23,6 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "abort"
-    policy_version: int = 0       # weights version of the first response token
+    policy_version: int = 0       # weights version of the first (= oldest) response token
     policy_version_end: int = 0   # ... and of the last (differs only with in-flight weight updates)
+    token_versions: list[int] = field(default_factory=list)  # per token, where the engine reports it

@@ -35,6 +35,8 @@ class HFEngine:
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], spec: SamplingSpec) -> list[list[Completion]]:
+        if spec.ignore_eos:
+            raise ValueError("SamplingSpec.ignore_eos is supported by the vllm engine only (rollout.engine=vllm)")
         self._apply_staged()
         version = self.version
         tok = self.tokenizer
@@ -63,9 +65,9 @@ class HFEngine:
         for row, lp in zip(seqs.tolist(), logp.tolist()):
             if eos in row:
                 end = row.index(eos) + 1
-                completions.append(Completion(row[:end], lp[:end], "stop", version, version))
+                completions.append(Completion(row[:end], lp[:end], "stop", version, version, [version] * end))
             else:
-                completions.append(Completion(row, lp, "length", version, version))
+                completions.append(Completion(row, lp, "length", version, version, [version] * len(row)))
         return [completions[i * spec.n:(i + 1) * spec.n] for i in range(len(prompt_ids))]
 
     # ------------------------------------------------------------------ weights

@@ -7,12 +7,23 @@ the blocking ``LLM.generate``, so that between two engine steps the engine can
   ``finish_reason="abort"``),
 * receive a weight broadcast into staging inside the worker (the learner never waits for a
   long request to finish), and, with ``inflight_weight_updates=True``, apply it at once:
-  pause, update, resume (PipelineRL, Piché et al. 2025). Every response records the policy
-  version of its first and last token (``Completion.policy_version`` / ``policy_version_end``).
-  Without in-flight updates staged weights are applied at the next request boundary, so each
-  response comes from exactly one version.
+  pause, update, resume (PipelineRL, Piché et al. 2025). Without in-flight updates staged
+  weights are applied at the next request boundary, so each response comes from one version.
 * After every applied update the prefix cache is reset (and, mid-request, the running requests
   are preempted so that their KV is recomputed): KV computed with old weights is never served.
+
+Versions per token: the engine core labels every step's outputs with its weight version
+(vLLM's ``set_weight_version``) and returns, with each finished response, the spans of tokens
+sampled under each label; ``Completion.token_versions`` comes from those spans, and
+``policy_version`` / ``policy_version_end`` are the oldest / newest of them (staleness is
+accounted by the oldest). The update itself (apply, prefix-cache reset, new label) must happen
+with no engine step in between: in-process the engine only steps when a caller steps it (under
+``self._lock``); the multiprocess engine core steps on its own, so it is paused first
+(``pause_scheduler`` in ``keep`` mode, requests kept) and resumed after. Before, the front
+end labelled tokens by its own version counter when it read them, so in multiprocess mode
+tokens the core had sampled under old weights but not yet delivered were labelled new, and the
+core could step with new weights on old KV between the reload and the reset. (A response
+aborted mid-request has no spans; its tokens keep the front end's labels.)
 
 Behaviour logprobs use ``logprobs_mode="processed_logprobs"``: the log-probability of each
 sampled token under the distribution it was sampled from, i.e. ``log_softmax(logits / T)``
@@ -47,6 +58,7 @@ import os
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -84,6 +96,14 @@ def checkpoint_manifest(model_path: str, dtype: str) -> list:
     return [[n, list(p.shape), str(p.dtype).removeprefix("torch.")] for n, p in model.named_parameters()]
 
 
+def _span_versions(spans, num_tokens: int) -> list[int]:
+    """Per-token versions from vLLM's ``WeightVersionSpan`` list (``[start, end)`` per label)."""
+    out = [int(sp.version) for sp in spans for _ in range(sp.start, sp.end)]
+    if len(out) != num_tokens:
+        raise RuntimeError(f"vLLM reported weight versions for {len(out)} of {num_tokens} tokens")
+    return out
+
+
 class VLLMEngine:
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, tensor_parallel_size: int = 1,
                  in_process: Optional[bool] = None, inflight_weight_updates: bool = False,
@@ -109,6 +129,8 @@ class VLLMEngine:
         self.model_path, self.dtype = model_path, dtype
         self.llm = LLM(**kw)
         self.engine = self.llm.llm_engine
+        self.in_process = in_process
+        self.engine.set_weight_version("0")  # the engine core labels every step's tokens with it
         self.tokenizer = load_tokenizer(model_path)
         self.weight_sync_ranks = tensor_parallel_size
         self.inflight_weight_updates = inflight_weight_updates
@@ -116,6 +138,7 @@ class VLLMEngine:
         self.version = 0
         self._lock = threading.RLock()   # one caller of the engine at a time; held per step, not per request
         self._abort = threading.Event()
+        self._update_waiting = threading.Event()  # a weight receive waits for the lock: callers yield it
         self._active = 0                 # generate() calls in flight (callers may overlap)
         self._inbox: dict[str, list] = {}  # outputs stepped by one caller for another's request
         self._synced = False
@@ -126,12 +149,11 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        common = dict(n=spec.n, max_tokens=spec.max_new_tokens, logprobs=0, detokenize=False,
+                      ignore_eos=spec.ignore_eos, output_kind=RequestOutputKind.DELTA)
         if spec.greedy:
-            return SamplingParams(n=spec.n, temperature=0.0, max_tokens=spec.max_new_tokens, logprobs=0,
-                                  detokenize=False, output_kind=RequestOutputKind.DELTA)
-        return SamplingParams(n=spec.n, temperature=spec.temperature, top_p=spec.top_p,
-                              max_tokens=spec.max_new_tokens, logprobs=0, detokenize=False,
-                              output_kind=RequestOutputKind.DELTA)
+            return SamplingParams(temperature=0.0, **common)
+        return SamplingParams(temperature=spec.temperature, top_p=spec.top_p, **common)
 
     def generate(self, prompt_ids: list[list[int]], spec: SamplingSpec) -> list[list[Completion]]:
         """``spec.n`` samples for each prompt; responses of prompt i in ``out[i]``."""
@@ -151,12 +173,16 @@ class VLLMEngine:
         toks = [[[] for _ in range(spec.n)] for _ in prompt_ids]
         lps = [[[] for _ in range(spec.n)] for _ in prompt_ids]
         finish: list[list[Optional[str]]] = [[None] * spec.n for _ in prompt_ids]
-        v_start: list[list[Optional[int]]] = [[None] * spec.n for _ in prompt_ids]
-        v_end = [[self.version] * spec.n for _ in prompt_ids]
+        vers = [[[] for _ in range(spec.n)] for _ in prompt_ids]  # version of each token
         open_samples = len(prompt_ids) * spec.n
         try:
             while open_samples:
-                with self._lock:  # a weight update can take the lock between two steps
+                # a weight update takes the lock between two steps: without yielding, this loop
+                # re-takes the lock at once and a broadcast (and the learner sending it) can
+                # wait for the whole request
+                while self._update_waiting.is_set():
+                    time.sleep(0.0005)
+                with self._lock:
                     if self._abort.is_set():
                         self.engine.abort_request(ids)
                         break
@@ -177,9 +203,9 @@ class VLLMEngine:
                         if c.token_ids:
                             toks[i][j].extend(c.token_ids)
                             lps[i][j].extend(lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs))
-                            if v_start[i][j] is None:
-                                v_start[i][j] = version
-                            v_end[i][j] = version
+                            vers[i][j].extend([version] * len(c.token_ids))  # the front end's label
+                        if c.weight_versions:  # the core's labels, with the finished response
+                            vers[i][j] = _span_versions(c.weight_versions, len(toks[i][j]))
                         if c.finish_reason is not None and finish[i][j] is None:
                             open_samples -= 1
                             finish[i][j] = "length" if c.finish_reason == "length" else (
@@ -191,9 +217,10 @@ class VLLMEngine:
                     self._inbox.pop(rid, None)
                 if open_samples:  # aborted, or an exception mid-request: leave the engine clean
                     self.engine.abort_request(ids)
+        version = self.version  # of an empty response
         return [[Completion(toks[i][j], lps[i][j], finish[i][j] or "abort",
-                            policy_version=v_start[i][j] if v_start[i][j] is not None else v_end[i][j],
-                            policy_version_end=v_end[i][j])
+                            policy_version=min(vers[i][j], default=version),
+                            policy_version_end=max(vers[i][j], default=version), token_versions=vers[i][j])
                  for j in range(spec.n)] for i in range(len(prompt_ids))]
 
     @property
@@ -222,32 +249,50 @@ class VLLMEngine:
         updates (pause between two engine steps, update, resume), else at the next request.
         ``payload`` (ipc): the learner's handles, plain data, passed to the worker process by
         ``collective_rpc`` like every other argument; the tensors stay in the learner's memory."""
+        self._update_waiting.set()
         with self._lock:
+            self._update_waiting.clear()
             apply = self.inflight_weight_updates or not self._busy
-            info = self._rpc("prorl_receive", apply, payload)
-            if info["applied"]:
-                self._after_update()
-                self.version = info["version"]
+            with self._paused(apply):
+                info = self._rpc("prorl_receive", apply, payload)
+                if info["applied"]:
+                    self._after_update(info["version"])
             self._synced = True
         return {"version": info["version"], "seconds": info["seconds"], "applied": info["applied"]}
 
     def _apply_staged(self) -> None:
         if not self._synced:
             return
-        with self._lock:
+        with self._lock, self._paused(True):
             version = self._rpc("prorl_apply_staged")
             if version is not None:
-                self._after_update()
-                self.version = version
+                self._after_update(version)
 
-    def _after_update(self) -> None:
-        """New weights are in: no KV computed with the old ones may be served again. Empties
-        vLLM's prefix cache (every chat prompt shares the template's system-prompt prefix, so
-        a stale cache would be hit on every request) and, mid-request (in-flight updates),
-        preempts the running requests so their KV is recomputed under the new weights."""
-        if not self.engine.reset_prefix_cache(reset_running_requests=self._busy):
+    @contextmanager
+    def _paused(self, needed: bool):
+        """No engine step runs inside this block. In-process the engine steps only when a
+        caller steps it, and callers hold ``self._lock``; the multiprocess engine core steps
+        by itself while it has requests, so its scheduler is paused (requests kept)."""
+        pause = needed and not self.in_process and self.engine.has_unfinished_requests()
+        if pause:
+            self.engine.engine_core.call_utility("pause_scheduler", "keep", False)
+        try:
+            yield
+        finally:
+            if pause:
+                self.engine.engine_core.call_utility("resume_scheduler")
+
+    def _after_update(self, version: int) -> None:
+        """New weights are in (called with no engine step possible, see :meth:`_paused`): no
+        KV computed with the old ones may be served again. Empties vLLM's prefix cache (every
+        chat prompt shares the template's system-prompt prefix, so a stale cache would be hit
+        on every request) and, mid-request (in-flight updates), preempts the running requests
+        so their KV is recomputed under the new weights; then labels the next steps' tokens."""
+        if not self.engine.reset_prefix_cache(reset_running_requests=self.engine.has_unfinished_requests()):
             raise WeightSyncError("vLLM refused to reset its prefix cache after a weight update; "
                                   "KV computed with the old weights would be served")
+        self.engine.set_weight_version(str(version))
+        self.version = version
         self.prefix_cache_resets += 1
 
     def weights_checksum(self) -> tuple[int, float]:

@@ -1,28 +1,27 @@
 """Run by tests/engines/test_vllm_multiprocess.py in a fresh interpreter: vLLM's default
 multiprocess engine core (``VLLM_ENABLE_V1_MULTIPROCESSING`` unset, as in a real run) generates,
 joins a gloo weight-sync group from its worker process (or, with ``ipc``, gets shared-memory
-handles through ``collective_rpc``), receives weights and generates with them.
-Prints one JSON line of findings; any failed check exits non-zero."""
+handles through ``collective_rpc``), receives weights and generates with them, then (gloo) runs
+the in-flight update scenario (tests/engines/_inflight.py) on the same engine.
+Prints one JSON line of findings; the test makes the assertions."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
-import threading
 
 
 def main(model_path: str, backend: str = "gloo") -> None:
-    import torch
-
     from prorl_async.engines.base import SamplingSpec
     from prorl_async.engines.hf import HFEngine
     from prorl_async.engines.vllm import VLLMEngine
-    from prorl_async.models import load_model
-    from prorl_async.weight_sync import IpcWeightSender, WeightSyncGroup, free_port, tensor_checksum
+    from prorl_async.weight_sync import IpcWeightSender, free_port, tensor_checksum
+    from tests.engines._inflight import inflight_update
+    from tests.engines._weights import WeightPusher, perturbed
 
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ, "the default engine must be tested"
-    v = VLLMEngine(model_path, dtype="float32", seed=0, kv_cache_gb=0.25)
+    v = VLLMEngine(model_path, dtype="float32", seed=0, kv_cache_gb=0.25, inflight_weight_updates=True)
     try:
         core = type(v.engine.engine_core).__name__
         h = HFEngine(model_path, dtype="float32")
@@ -30,40 +29,29 @@ def main(model_path: str, backend: str = "gloo") -> None:
         spec = SamplingSpec(n=1, greedy=True, max_new_tokens=8)
         before_ok = [a[0].token_ids == b[0].token_ids for a, b in zip(v.generate(prompts, spec), h.generate(prompts, spec))]
 
-        learner = load_model(model_path, "float32")
-        torch.manual_seed(0)
-        with torch.no_grad():
-            for p in learner.parameters():
-                p.add_(0.05 * torch.randn_like(p))
-        port = free_port()
-
-        def learner_side():
-            g = WeightSyncGroup("127.0.0.1", port, 0, 2, "gloo", timeout_s=120)
-            g.send([(n, p.detach()) for n, p in learner.named_parameters()], version=1)
-
+        learner = perturbed(model_path, seed=0, scale=0.05)
         if backend == "ipc":  # the handles travel to the worker process; the bytes stay in this one
             sender = IpcWeightSender(1)
             payload, _ = sender.send([(n, p.detach()) for n, p in learner.named_parameters()], version=1)
-            v.init_weight_sync("127.0.0.1", port, 1, 2, "ipc", timeout_s=120)
+            v.init_weight_sync("127.0.0.1", free_port(), 1, 2, "ipc", timeout_s=120)
             info = v.receive_weights(payload)
             sender.release()
         else:
-            th = threading.Thread(target=learner_side)
-            th.start()
-            v.init_weight_sync("127.0.0.1", port, 1, 2, "gloo", timeout_s=120)
-            info = v.receive_weights()
-            th.join(120)
+            info = WeightPusher(v).push(learner, version=1)
         version, checksum = v.weights_checksum()
         h.load_weights(learner.named_parameters())
         outs = v.generate(prompts, spec)
         after_ok = [a[0].token_ids == b[0].token_ids for a, b in zip(outs, h.generate(prompts, spec))]
-        print(json.dumps({
+        findings = {
             "engine_core": core, "engine_core_pid_differs": _core_pid(v) not in (None, os.getpid()),
             "greedy_equal_before": before_ok, "received_version": info["version"], "version": version,
             "checksum_equal": abs(checksum - tensor_checksum([p.detach() for p in learner.parameters()]))
             <= 1e-9 * max(1.0, abs(checksum)),
             "greedy_equal_after": after_ok, "policy_versions": [o[0].policy_version for o in outs],
-        }), flush=True)
+        }
+        if backend == "gloo":
+            findings["inflight"] = inflight_update(v, model_path)
+        print(json.dumps(findings), flush=True)
     finally:
         v.shutdown()
 

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.vllm
 
 from prorl_async.engines.base import SamplingSpec  # noqa: E402
 from prorl_async.engines.prompts import encode_prompt  # noqa: E402
-from prorl_async.weight_sync import WeightSyncGroup, free_port  # noqa: E402
+from tests.engines._weights import WeightPusher, perturbed  # noqa: E402
 
 QUESTIONS = ["What is 4 + 5?", "Name a primary colour.", "What is the capital of France?", "Count from 1 to 5."]
 # a long shared prefix (several KV blocks) after the template's system prompt
@@ -108,8 +108,6 @@ def test_weight_update_resets_the_prefix_cache(engines, smollm2_model):
     weights over gloo, generate again: every logprob must equal a recomputation under the NEW
     weights. With the reset removed the second request reuses the prefix KV of the old weights
     and this fails by orders of magnitude."""
-    from prorl_async.models import load_model
-
     v, h = engines
     prompts = _chat_ids(h.tokenizer, PREAMBLE)
     assert len(os.path.commonprefix(prompts)) > 100  # the template's system prompt + the preamble
@@ -117,22 +115,8 @@ def test_weight_update_resets_the_prefix_cache(engines, smollm2_model):
     before = v.generate(prompts, spec)
     assert _max_diff([g[0] for g in before], _recompute(h.model, prompts, [g[0] for g in before])) < LOGPROB_TOL
 
-    learner = load_model(smollm2_model, "float32")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in learner.parameters():
-            p.mul_(1 + 0.05 * torch.randn_like(p))
-    port = free_port()
-
-    def learner_side():
-        g = WeightSyncGroup("127.0.0.1", port, 0, 2, "gloo", timeout_s=120)
-        g.send([(n, p.detach()) for n, p in learner.named_parameters()], version=1)
-
-    th = threading.Thread(target=learner_side)
-    th.start()
-    v.init_weight_sync("127.0.0.1", port, 1, 2, "gloo", timeout_s=120)
-    info = v.receive_weights()
-    th.join(120)
+    learner = perturbed(smollm2_model, seed=0, scale=0.05, relative=True)
+    info = WeightPusher(v).push(learner, version=1)
     assert info["applied"] and info["version"] == 1 and v.prefix_cache_resets == 1
 
     after = v.generate(prompts, spec)
