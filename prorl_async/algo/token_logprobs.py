@@ -53,6 +53,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 if with_entropy:
                     z.sub_(lse_c[:, None])  # log p, in place: one chunk buffer
                     ent[s:e] = -(z.exp() * z).sum(-1)
+        ctx.set_materialize_grads(False)  # an unused entropy output costs nothing in backward
         ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
         ctx.temperature, ctx.chunk_tokens, ctx.with_entropy = temperature, chunk_tokens, with_entropy
         return logp, (ent if with_entropy else torch.empty(0, device=hidden.device))
@@ -63,6 +64,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         temperature, chunk = ctx.temperature, ctx.chunk_tokens
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n = hidden.shape[0]
+        if g_logp is None:
+            g_logp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         g_h = torch.empty_like(hidden) if need_h else None
         g_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         g_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
