@@ -3,7 +3,8 @@
 
 Per step (DESIGN.md section 1; formulas in :mod:`prorl_async.algo`):
 
-1. rollout rows -> tensors; shaped rewards (scheduled cosine length reward, overlong filter /
+1. rollout rows -> tensors from the learner's columns only (:data:`LEARNER_COLUMNS`), read from
+   Arrow list offsets without Python lists (:func:`batch_to_tensors`); shaped rewards (scheduled cosine length reward, overlong filter /
    DAPO soft punishment); samples with an invalid grade or a non-finite behaviour logprob
    leave the loss mask, counted;
 2. REINFORCE++-baseline advantages (group-mean baseline, whitening over the *global* batch:
@@ -22,6 +23,18 @@ Per step (DESIGN.md section 1; formulas in :mod:`prorl_async.algo`):
    logprobs: ``mismatch/*`` over tokens generated with the learner's current weights
    (``policy_version`` = learner version), ``mismatch/all_*`` over all tokens;
 7. reference reset on interval / KL spike / validation stall.
+
+Micro-batches (``train.micro_batch_tokens > 0``, the default): sequence packing as OpenRLHF's
+``packing_samples`` and verl's dynamic batch size do. Each mini-batch's rows are grouped into
+micro-batches of at most ``micro_batch_tokens`` prompt+response tokens
+(:func:`~prorl_async.learners.packing.plan_micro_batches`), each packed into one row without
+padding with position ids restarting per sequence and attention kept inside each sequence
+(:func:`packed_token_logprobs`), and the response logprobs / entropies come from the LM head in
+chunks of ``train.logprob_chunk_tokens`` (:mod:`prorl_async.algo.token_logprobs`), never a
+``tokens x vocab`` fp32 tensor. ``micro_batch_tokens=0`` keeps the padded path (right-padded
+rows of ``train.micro_batch_size``, full logits). Both give the same loss and gradients to float
+tolerance (tests/learners/test_packed_learner.py); only the micro-batch-dependent ``*_max`` /
+``*_min`` metric means of ``actor/`` and ``is/`` differ.
 
 What the core needs from a learner (``ops``): ``policy`` (the module to call), ``device``,
 ``autocast``, ``micro``
