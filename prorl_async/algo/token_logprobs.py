@@ -13,8 +13,9 @@ entropy of the sampled tokens, never the distribution itself).
 Numerics follow the unchunked reference ``log_softmax((h @ W.T).float() / T)``: the matmul
 runs in the inputs' dtype (bf16 stays bf16), softmax statistics in fp32, and the gradient of
 the logits is cast back to the inputs' dtype before the two backward matmuls, as autograd
-does for the reference. Deviation: the head-weight gradient is accumulated over chunks in
-fp32 and cast once, which is at least as accurate as the reference's single bf16 matmul.
+does for the reference. Deviation: the head-weight gradient of each chunk is a matmul in the
+inputs' dtype (as the reference's), summed over chunks in fp32 and cast once, which is at least
+as accurate as the reference's single bf16 matmul (and keeps bf16 matmuls on bf16 hardware).
 """
 
 from __future__ import annotations
@@ -91,7 +92,10 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 if need_h:
                     g_h[s:e] = gz @ weight
                 if need_w:
-                    g_w.addmm_(gz.t().float() if gz.dtype != torch.float32 else gz.t(), hidden[s:e].float())
+                    if gz.dtype == torch.float32:
+                        g_w.addmm_(gz.t(), hidden[s:e])
+                    else:  # the matmul in the inputs' dtype (bf16 on AMX / tensor cores), summed in fp32
+                        g_w += gz.t() @ hidden[s:e]
         return (g_h, g_w.to(weight.dtype) if need_w else None, g_b.to(bias.dtype) if need_b else None,
                 None, None, None, None)
 
