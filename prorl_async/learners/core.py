@@ -60,7 +60,8 @@ from prorl_async.algo.mismatch import mismatch_metrics, mismatch_stats
 from prorl_async.algo.reference import ReferenceResetPolicy
 from prorl_async.algo.shaping import LengthPenaltySchedule, shape_rewards
 from prorl_async.algo.token_logprobs import token_logprobs as chunked_token_logprobs
-from prorl_async.learners.packing import list_column, pack_micro_batch, plan_micro_batches
+from prorl_async.learners.packing import (list_column, pack_micro_batch, packed_attention_kwargs,
+                                          plan_micro_batches, register_varlen_sdpa)
 from prorl_async.metrics import is_correct
 
 
@@ -249,13 +250,31 @@ def _zero3_partitioned(p: torch.Tensor) -> bool:
     return hasattr(p, "ds_id") and getattr(p, "ds_status", None) is not None and p.numel() == 0
 
 
+@contextlib.contextmanager
+def _attn_implementation(config, impl: str):
+    """``config._attn_implementation`` set to ``impl`` for the duration (the padded path and
+    generation keep the model's own)."""
+    before = config._attn_implementation
+    if before == impl:
+        yield
+        return
+    config._attn_implementation = impl
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
 def packed_token_logprobs(model, b: dict, rows, temperature: float, device, autocast: bool,
                           with_entropy: bool = False, chunk_tokens: int = 1024):
     """Per-response-token logprobs (and entropies) of table rows ``rows`` (index array), packed
     into one padding-free sequence (:func:`~prorl_async.learners.packing.pack_micro_batch`):
-    ``position_ids`` restart at 0 per sequence and no ``attention_mask`` is passed, which
-    transformers turns into attention kept within each sequence (a block-diagonal causal mask
-    for sdpa / eager on CPU, varlen kernels from the position ids for flash attention on GPU).
+    ``position_ids`` restart at 0 per sequence, no ``attention_mask`` is passed, and the
+    sequence boundaries go to the attention function as flash-attention's varlen kwargs
+    (``cu_seq_lens_q`` ...): flash attention (GPU) uses its varlen kernels; any other
+    implementation is swapped for :func:`~prorl_async.learners.packing.varlen_sdpa_attention`
+    for the call (one causal sdpa per sequence: ``sum L_i^2`` work, no ``N x N`` mask, the
+    CPU choice), so attention never crosses sequences.
     The decoder body runs on the packed row; the LM head and log-softmax run on the response
     positions only, ``chunk_tokens`` at a time (:func:`prorl_async.algo.token_logprobs.token_logprobs`),
     so no ``tokens x vocab`` fp32 tensor exists. Under ZeRO-3 (the head's weight is partitioned
@@ -269,8 +288,12 @@ def packed_token_logprobs(model, b: dict, rows, temperature: float, device, auto
     body = hf.get_decoder() if hasattr(hf, "get_decoder") else hf.model
     head = hf.get_output_embeddings()
     ids, pos = mb.input_ids.to(device), mb.position_ids.to(device)
-    with autocast_ctx(device, autocast):
-        hidden = body(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+    impl = hf.config._attn_implementation or "sdpa"
+    # flash attention reads the boundaries itself (varlen kernels); anything else runs one sdpa per sequence
+    varlen = impl if impl.startswith("flash_attention") else register_varlen_sdpa()
+    with autocast_ctx(device, autocast), _attn_implementation(hf.config, varlen):
+        hidden = body(input_ids=ids, position_ids=pos, use_cache=False,
+                      **packed_attention_kwargs(mb, device)).last_hidden_state
     h = hidden[0].index_select(0, mb.loss_index.to(device))
     targets = mb.targets.to(device)
     if isinstance(head, torch.nn.Linear) and not _zero3_partitioned(head.weight):

@@ -54,12 +54,35 @@ def _capture_grads(learner, kind: str) -> list[list[torch.Tensor]]:
     return grads
 
 
+def _record_packed_calls(learner) -> list:
+    """What the packed path hands the decoder body: position ids, sequence boundaries, attention."""
+    calls = []
+
+    def pre(module, args, kwargs):
+        calls.append((kwargs["position_ids"].detach().cpu(), kwargs["cu_seq_lens_q"].detach().cpu(),
+                      module.config._attn_implementation))
+
+    learner.model.get_decoder().register_forward_pre_hook(pre, with_kwargs=True)
+    return calls
+
+
+def _assert_packed_calls(calls):
+    assert calls and any(len(cu) > 2 for _, cu, _ in calls)  # several sequences shared a packed row
+    for pos, cu, impl in calls:
+        lens = (cu[1:] - cu[:-1]).tolist()
+        assert pos[0].tolist() == sum([list(range(n)) for n in lens], [])  # positions restart per sequence
+        assert impl == "prorl_varlen_sdpa"  # attention cut at the boundaries (CPU)
+
+
 def _step_both(kind, model, table, request, tokens, *over):
     out = []
     for t in (0, tokens):
         learner = _learner(kind, _cfg(model, kind, t, *over), model, request)
         grads = _capture_grads(learner, kind)
+        calls = _record_packed_calls(learner) if t else None
         metrics = learner.train_step(table, 0)
+        if t:
+            _assert_packed_calls(calls)
         out.append((learner, metrics, grads))
     return out
 
