@@ -59,9 +59,12 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
     p.add_argument("--peak-n", type=int, default=3072, help="square matmul size for the peak")
     p.add_argument("--out", type=Path, default=OUT_DIR, help="output folder")
-    p.add_argument("--mode", default="learner", choices=["learner", "packing"],
+    p.add_argument("--mode", default="learner", choices=["learner", "packing", "smollm2"],
                    help="learner: TorchLearner.train_step; packing: packed + chunked logprobs vs padded full "
-                        "logits on a SmolLM2-135M-shaped Llama (see bench_packing)")
+                        "logits on a SmolLM2-135M-shaped Llama (see bench_packing); smollm2: the full "
+                        "TorchLearner.train_step on builtin:smollm2-135m-instruct, packing off vs on "
+                        "(see bench_smollm2)")
+    p.add_argument("--profile", action="store_true", help="smollm2 mode: print the top ops of one step per config")
     p.add_argument("--micro-batch-tokens", type=int, default=1024, help="packing mode: tokens per micro-batch")
     p.add_argument("--chunk-tokens", type=int, default=512, help="packing mode: tokens per LM-head chunk")
     return p.parse_args(argv)
@@ -304,10 +307,99 @@ def bench_packing(args) -> dict:
     return payload
 
 
+def bench_smollm2(args) -> dict:
+    """The full learner step on SmolLM2-135M-Instruct, packing off vs on, fp32 and bf16 autocast.
+
+    ``TorchLearner.train_step`` exactly as a run calls it: reward shaping, advantages, the
+    reference forward (``algo.kl_coef > 0``), policy forward + backward, AdamW, one
+    mini-batch. Same batch for every configuration (``variable_length_table``: prompts of
+    ``--prompt-len`` tokens, responses uniform in 8..``--response-len``), configurations
+    interleaved step by step, best step time per configuration. FLOPs = 8 * N * T with T the
+    real (unpadded) prompt + response tokens and N all parameters (the tied head counted once:
+    it is the LM-head matmul); the fraction is against the matmul peak of the precision the
+    matmuls run in, measured in the same run before and after (the better of the two).
+    """
+    import torch
+
+    from prorl_async.config import ModelConfig, load_config
+    from prorl_async.learners.torch_learner import TorchLearner
+    from prorl_async.models import build_smollm2
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    model_dir = str(build_smollm2(ModelConfig(), log=print))
+    vocab = SMOLLM2_135M[-1]
+    table_ = variable_length_table(args.rows, args.prompt_len, args.response_len, vocab)
+    real = sum(len(p) + len(r) for p, r in zip(table_.column("prompt_ids").to_pylist(),
+                                               table_.column("response_ids").to_pylist()))
+    peaks = {"fp32": matmul_peak(args.peak_n, torch.float32), "bf16": matmul_peak(args.peak_n, torch.bfloat16)}
+    print(f"matmul peak ({threads} threads, n={args.peak_n}): fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, "
+          f"bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s; batch {args.rows} rows, {real} real tokens", flush=True)
+    configs = [(prec, packing) for prec in args.precisions.split(",") for packing in (False, True)]
+    learners, times, params = {}, {c: [] for c in configs}, 0
+    rows = []
+    for prec in args.precisions.split(","):  # one precision at a time: two SmolLM2 learners fit in memory
+        pair = [c for c in configs if c[0] == prec]
+        for c in pair:
+            cfg = load_config(None, [
+                f"model.path={model_dir}", "model.dtype=float32", f"model.autocast_bf16={prec == 'bf16'}",
+                f"train.prompts_per_step={max(1, args.rows // 4)}", "rollout.n=4", "train.mini_batches=1",
+                f"train.micro_batch_size={args.micro_batch}",
+                f"train.micro_batch_tokens={args.micro_batch_tokens if c[1] else 0}",
+                f"train.logprob_chunk_tokens={args.chunk_tokens}", "algo.kl_coef=0.001", "train.lr=1e-6",
+                f"rollout.max_new_tokens={args.response_len}"])
+            learners[c] = TorchLearner(cfg, model_dir)
+            if (prec == "bf16") != learners[c].autocast:
+                raise RuntimeError(f"{prec}: the learner's autocast is {learners[c].autocast} on this machine")
+            params = sum(p.numel() for p in learners[c].model.parameters())
+        for rep in range(args.steps + 1):  # interleaved; round 0 is the warm-up
+            for c in pair:
+                t0 = time.perf_counter()
+                learners[c].train_step(table_)
+                if rep:
+                    times[c].append(time.perf_counter() - t0)
+                print(f"  {prec} packing={'on' if c[1] else 'off'} step {rep}: {time.perf_counter() - t0:.1f} s",
+                      flush=True)
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+            for c in pair:
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    learners[c].train_step(table_)
+                print(f"--- profile {prec} packing={'on' if c[1] else 'off'} (top 15 by self CPU time)")
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
+        for c in pair:
+            dt = min(times[c])
+            rows.append({"precision": prec, "packing": "on" if c[1] else "off", "params_m": params / 1e6,
+                         "tokens": real, "step_s": dt, "step_s_median": statistics.median(times[c]),
+                         "tok_s": real / dt, "gflops_8nt": 8 * params * real / dt / 1e9})
+            del learners[c]
+    for k, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        peaks[k] = max(peaks[k], matmul_peak(args.peak_n, dt))
+    for r in rows:
+        r["peak_gflops"] = peaks[r["precision"]] / 1e9
+        r["frac_peak_8nt"] = r["gflops_8nt"] / r["peak_gflops"]
+    print()
+    print(table(rows, [("precision", "prec", "{}"), ("packing", "packing", "{}"), ("params_m", "params (M)", "{:.1f}"),
+                       ("tokens", "real tokens", "{:.0f}"), ("step_s", "step s (best)", "{:.2f}"),
+                       ("step_s_median", "step s (median)", "{:.2f}"), ("tok_s", "tok/s", "{:.0f}"),
+                       ("gflops_8nt", "GFLOP/s (8NT)", "{:.1f}"), ("peak_gflops", "peak GFLOP/s", "{:.0f}"),
+                       ("frac_peak_8nt", "8NT/peak", "{:.1%}")]))
+    payload = {"benchmark": "learner-smollm2", "machine": machine(), "threads": threads,
+               "args": {**vars(args), "out": str(args.out)}, "peak_flops": peaks, "real_tokens": real,
+               "formula": "8*N*T over real tokens (reference fwd + policy fwd + bwd), full TorchLearner.train_step",
+               "results": rows}
+    path = write_json("bench_learner_smollm2", payload, args.out)
+    print(f"wrote {path}")
+    return payload
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.mode == "packing":
         return bench_packing(args)
+    if args.mode == "smollm2":
+        return bench_smollm2(args)
     import torch
 
     if args.threads:

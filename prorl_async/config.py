@@ -113,7 +113,12 @@ class TrainConfig:
     warmup_lr_steps: int = _f(10, "linear LR warm-up steps")
     grad_clip: float = _f(1.0, "gradient norm clip")
     mini_batches: int = _f(4, "optimizer steps per learner step (the batch is split into this many mini-batches)")
-    micro_batch_size: int = _f(128, "responses per forward/backward pass")
+    micro_batch_size: int = _f(128, "responses per forward/backward pass (the padded path, micro_batch_tokens=0)")
+    micro_batch_tokens: int = _f(4096, "sequence packing: prompt+response tokens per forward/backward pass, "
+                                 "no padding (0 = padded micro-batches of micro_batch_size rows); a longer "
+                                 "sequence gets a micro-batch of its own")
+    logprob_chunk_tokens: int = _f(1024, "packed path: tokens whose fp32 vocabulary logits exist at once "
+                                   "(LM head and logprobs computed chunk by chunk)")
     ppo_epochs: int = _f(1, "passes over each batch")
     seed: int = _f(0, "seed of the learner and of python/numpy/torch RNGs")
     eval_interval: int = _f(40, "evaluate on the held-out split every N steps (0 = only before/after)")
@@ -324,6 +329,9 @@ def validate(cfg: Config) -> None:
     _require(mini % t.micro_batch_size == 0 or t.micro_batch_size >= mini, "train.micro_batch_size",
              f"must divide the mini-batch of {mini} responses (prompts_per_step*n/mini_batches) or exceed it; got {t.micro_batch_size}")
     _require(t.ppo_epochs >= 1, "train.ppo_epochs", f"must be >= 1, got {t.ppo_epochs}")
+    _require(t.micro_batch_tokens >= 0, "train.micro_batch_tokens",
+             f"must be >= 0 (0 = padded micro-batches of train.micro_batch_size rows), got {t.micro_batch_tokens}")
+    _require(t.logprob_chunk_tokens >= 1, "train.logprob_chunk_tokens", f"must be >= 1, got {t.logprob_chunk_tokens}")
     _one_of(a.advantage, ADVANTAGE_ESTIMATORS, "algo.advantage")
     _one_of(a.is_mode, IS_MODES, "algo.is_mode")
     _one_of(a.kl_kind, KL_KINDS, "algo.kl_kind")

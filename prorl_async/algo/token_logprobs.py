@@ -13,8 +13,9 @@ entropy of the sampled tokens, never the distribution itself).
 Numerics follow the unchunked reference ``log_softmax((h @ W.T).float() / T)``: the matmul
 runs in the inputs' dtype (bf16 stays bf16), softmax statistics in fp32, and the gradient of
 the logits is cast back to the inputs' dtype before the two backward matmuls, as autograd
-does for the reference. Deviation: the head-weight gradient is accumulated over chunks in
-fp32 and cast once, which is at least as accurate as the reference's single bf16 matmul.
+does for the reference. Deviation: the head-weight gradient of each chunk is a matmul in the
+inputs' dtype (as the reference's), summed over chunks in fp32 and cast once, which is at least
+as accurate as the reference's single bf16 matmul (and keeps bf16 matmuls on bf16 hardware).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 if with_entropy:
                     z.sub_(lse_c[:, None])  # log p, in place: one chunk buffer
                     ent[s:e] = -(z.exp() * z).sum(-1)
+        ctx.set_materialize_grads(False)  # an unused entropy output costs nothing in backward
         ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
         ctx.temperature, ctx.chunk_tokens, ctx.with_entropy = temperature, chunk_tokens, with_entropy
         return logp, (ent if with_entropy else torch.empty(0, device=hidden.device))
@@ -63,6 +65,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         temperature, chunk = ctx.temperature, ctx.chunk_tokens
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n = hidden.shape[0]
+        if g_logp is None:
+            g_logp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         g_h = torch.empty_like(hidden) if need_h else None
         g_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         g_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
@@ -88,7 +92,10 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 if need_h:
                     g_h[s:e] = gz @ weight
                 if need_w:
-                    g_w.addmm_(gz.t().float() if gz.dtype != torch.float32 else gz.t(), hidden[s:e].float())
+                    if gz.dtype == torch.float32:
+                        g_w.addmm_(gz.t(), hidden[s:e])
+                    else:  # the matmul in the inputs' dtype (bf16 on AMX / tensor cores), summed in fp32
+                        g_w += gz.t() @ hidden[s:e]
         return (g_h, g_w.to(weight.dtype) if need_w else None, g_b.to(bias.dtype) if need_b else None,
                 None, None, None, None)
 

@@ -3,7 +3,8 @@
 
 Per step (DESIGN.md section 1; formulas in :mod:`prorl_async.algo`):
 
-1. rollout rows -> tensors; shaped rewards (scheduled cosine length reward, overlong filter /
+1. rollout rows -> tensors from the learner's columns only (:data:`LEARNER_COLUMNS`), read from
+   Arrow list offsets without Python lists (:func:`batch_to_tensors`); shaped rewards (scheduled cosine length reward, overlong filter /
    DAPO soft punishment); samples with an invalid grade or a non-finite behaviour logprob
    leave the loss mask, counted;
 2. REINFORCE++-baseline advantages (group-mean baseline, whitening over the *global* batch:
@@ -26,6 +27,18 @@ Per step (DESIGN.md section 1; formulas in :mod:`prorl_async.algo`):
    (``policy_version`` = learner version), ``mismatch/all_*`` over all tokens;
 7. reference reset on interval / KL spike / validation stall.
 
+Micro-batches (``train.micro_batch_tokens > 0``, the default): sequence packing as OpenRLHF's
+``packing_samples`` and verl's dynamic batch size do. Each mini-batch's rows are grouped into
+micro-batches of at most ``micro_batch_tokens`` prompt+response tokens
+(:func:`~prorl_async.learners.packing.plan_micro_batches`), each packed into one row without
+padding with position ids restarting per sequence and attention kept inside each sequence
+(:func:`packed_token_logprobs`), and the response logprobs / entropies come from the LM head in
+chunks of ``train.logprob_chunk_tokens`` (:mod:`prorl_async.algo.token_logprobs`), never a
+``tokens x vocab`` fp32 tensor. ``micro_batch_tokens=0`` keeps the padded path (right-padded
+rows of ``train.micro_batch_size``, full logits). Both give the same loss and gradients to float
+tolerance (tests/learners/test_packed_learner.py); only the micro-batch-dependent ``*_max`` /
+``*_min`` metric means of ``actor/`` and ``is/`` differ.
+
 What the core needs from a learner (``ops``): ``policy`` (the module to call), ``device``,
 ``autocast``, ``micro``
 (micro-batch rows), ``zero_grad()``, ``backward(loss)``, ``finish_update(finite) ->
@@ -41,6 +54,7 @@ from typing import Optional
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from prorl_async.algo.advantages import compute_advantages
@@ -48,6 +62,9 @@ from prorl_async.algo.losses import entropy_from_logits, kl_penalty, logprobs_fr
 from prorl_async.algo.mismatch import mismatch_metrics, mismatch_stats
 from prorl_async.algo.reference import ReferenceResetPolicy
 from prorl_async.algo.shaping import LengthPenaltySchedule, shape_rewards
+from prorl_async.algo.token_logprobs import token_logprobs as chunked_token_logprobs
+from prorl_async.learners.packing import (list_column, pack_micro_batch, packed_attention_kwargs,
+                                          plan_micro_batches, register_varlen_sdpa)
 from prorl_async.metrics import is_correct
 
 
@@ -64,39 +81,74 @@ class NonFiniteStepError(RuntimeError):
 
 
 # ---------------------------------------------------------------------- batch preparation
-def batch_to_tensors(table: pa.Table, pad_id: int) -> dict[str, torch.Tensor]:
-    """Rollout rows -> right-padded sequences and response-aligned [N, T] tensors."""
-    cols = table.to_pydict()
-    prompts, responses = cols["prompt_ids"], cols["response_ids"]
-    n = len(prompts)
-    plen = torch.tensor([len(p) for p in prompts])
-    rlen = torch.tensor([len(r) for r in responses])
-    S = int((plen + rlen).max())
-    T = max(1, int(rlen.max()))
-    input_ids = torch.full((n, S), pad_id, dtype=torch.long)
-    attention = torch.zeros((n, S), dtype=torch.long)
-    beh = torch.zeros((n, T), dtype=torch.float32)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        seq = list(p) + list(r)
-        input_ids[i, :len(seq)] = torch.tensor(seq, dtype=torch.long)
-        attention[i, :len(seq)] = 1
-        beh[i, :len(r)] = torch.tensor(cols["behavior_logprobs"][i], dtype=torch.float32)
-    mask = (torch.arange(T)[None, :] < rlen[:, None]).float()
-    # logits at sequence position P+j-1 predict response token j
-    gather_idx = (plen[:, None] + torch.arange(T)[None, :] - 1).clamp(max=S - 2)
+# the only columns the learner reads; display columns (response_text, grade_reason ...) never reach it
+LEARNER_COLUMNS = ("prompt_id", "prompt_ids", "response_ids", "behavior_logprobs", "raw_reward", "reward_valid",
+                   "finish_reason", "policy_version")
+
+
+def learner_columns(table: pa.Table) -> pa.Table:
+    """The learner's columns of a rollout table (zero-copy), one clear error if one is missing."""
+    missing = [c for c in LEARNER_COLUMNS if c not in table.column_names]
+    if missing:
+        raise KeyError(f"rollout table lacks learner column(s) {missing} (has {table.column_names}); batches must "
+                       "follow prorl_async.data.schema.ROLLOUT_SCHEMA")
+    return table.select(list(LEARNER_COLUMNS))
+
+
+def _flat(values: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every element of a ``(values, offsets)`` list column as ``(flat values, row, column)``."""
+    lens = np.diff(offsets)
+    row = np.repeat(np.arange(lens.size, dtype=np.int64), lens)
+    col = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(offsets[:-1] - offsets[0], lens)
+    return values[offsets[0]:offsets[-1]], torch.from_numpy(row), torch.from_numpy(col)
+
+
+def batch_to_tensors(table: pa.Table, pad_id: int, padded: bool = True) -> dict:
+    """Rollout rows -> response-aligned ``[N, T]`` tensors, straight from Arrow list offsets
+    (:func:`prorl_async.learners.packing.list_column`; no Python list per token).
+
+    Always: ``response_ids``, ``mask``, ``behavior_logprobs``, per-row rewards / flags, and
+    ``seq_lens`` plus the ``_prompt`` / ``_response`` ``(values, offsets)`` columns that
+    sequence packing reads. ``padded``: also the right-padded ``input_ids`` /
+    ``attention_mask`` ``[N, S]`` and ``gather_idx`` of the padded forward."""
+    table = learner_columns(table)
+    prompt, response = list_column(table, "prompt_ids"), list_column(table, "response_ids")
+    bv, bo = list_column(table, "behavior_logprobs")
+    plen_np, rlen_np = np.diff(prompt[1]), np.diff(response[1])
+    if not np.array_equal(np.diff(bo), rlen_np):
+        raise ValueError("rollout table: behavior_logprobs must have one entry per response token in every row")
+    n = int(plen_np.size)
+    plen, rlen = torch.from_numpy(plen_np), torch.from_numpy(rlen_np)
+    T = max(1, int(rlen_np.max())) if n else 1
+    r_vals, r_row, r_col = _flat(*response)
     response_ids = torch.zeros((n, T), dtype=torch.long)
-    for i, r in enumerate(responses):
-        response_ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-    _, group_index = np.unique(np.asarray(cols["prompt_id"]), return_inverse=True)
-    return {
-        "input_ids": input_ids, "attention_mask": attention, "gather_idx": gather_idx,
+    response_ids[r_row, r_col] = torch.from_numpy(r_vals.astype(np.int64))
+    beh = torch.zeros((n, T), dtype=torch.float32)
+    beh[r_row, r_col] = torch.from_numpy(bv[bo[0]:bo[-1]].astype(np.float32))
+    mask = (torch.arange(T)[None, :] < rlen[:, None]).float()
+    prompt_id = table.column("prompt_id").to_numpy(zero_copy_only=False)  # one object per row, not per token
+    _, group_index = np.unique(prompt_id, return_inverse=True)
+    out = {
         "response_ids": response_ids, "mask": mask, "behavior_logprobs": beh,
-        "raw_reward": torch.tensor(cols["raw_reward"], dtype=torch.float32),
-        "valid": torch.tensor(cols["reward_valid"], dtype=torch.bool),
-        "lengths": rlen, "truncated": torch.tensor([f == "length" for f in cols["finish_reason"]]),
-        "group_index": torch.as_tensor(group_index, dtype=torch.long),
-        "policy_version": torch.tensor(cols["policy_version"], dtype=torch.long),
+        "raw_reward": torch.from_numpy(table.column("raw_reward").to_numpy().astype(np.float32)),
+        "valid": torch.from_numpy(table.column("reward_valid").to_numpy(zero_copy_only=False).astype(bool)),
+        "lengths": rlen, "truncated": torch.from_numpy(
+            pc.equal(table.column("finish_reason"), "length").to_numpy(zero_copy_only=False).astype(bool)),
+        "group_index": torch.as_tensor(group_index.reshape(-1), dtype=torch.long),
+        "policy_version": torch.from_numpy(table.column("policy_version").to_numpy().astype(np.int64)),
+        "seq_lens": plen_np + rlen_np, "_prompt": prompt, "_response": response,
     }
+    if padded:
+        S = int((plen + rlen).max()) if n else 1
+        input_ids = torch.full((n, S), pad_id, dtype=torch.long)
+        p_vals, p_row, p_col = _flat(*prompt)
+        input_ids[p_row, p_col] = torch.from_numpy(p_vals.astype(np.int64))
+        input_ids[r_row, plen[r_row] + r_col] = response_ids[r_row, r_col]
+        out["input_ids"] = input_ids
+        out["attention_mask"] = (torch.arange(S)[None, :] < (plen + rlen)[:, None]).long()
+        # logits at sequence position P+j-1 predict response token j
+        out["gather_idx"] = (plen[:, None] + torch.arange(T)[None, :] - 1).clamp(max=max(S - 2, 0))
+    return out
 
 
 def prepare_batch(table: pa.Table, pad_id: int, cfg, step: int, schedule,
@@ -108,7 +160,7 @@ def prepare_batch(table: pa.Table, pad_id: int, cfg, step: int, schedule,
     logprob), ``mask`` (the loss mask) and ``advantages``. ``stats_reduce`` sums the whitening
     statistics over data-parallel ranks."""
     a = cfg.algo
-    b = batch_to_tensors(table, pad_id)
+    b = batch_to_tensors(table, pad_id, padded=cfg.train.micro_batch_tokens <= 0)
     correct = is_correct(b["raw_reward"])
     rewards, keep, shape_metrics = shape_rewards(
         b["raw_reward"], correct, b["lengths"], b["truncated"],
@@ -176,8 +228,9 @@ def autocast_ctx(device: torch.device, enabled: bool):
 
 
 def token_logprobs(model, b: dict, rows: slice, temperature: float, device, autocast: bool,
-                   with_entropy: bool = False):
-    """Per-response-token logprobs (and entropies) at the sampling temperature."""
+                   with_entropy: bool = False, entropy_grad: bool = True):
+    """Per-response-token logprobs (and entropies) at the sampling temperature: the padded path
+    (``train.micro_batch_tokens=0``), full logits of every padded position."""
     device = torch.device(device)
     ids = b["input_ids"][rows].to(device)
     att = b["attention_mask"][rows].to(device)
@@ -187,8 +240,84 @@ def token_logprobs(model, b: dict, rows: slice, temperature: float, device, auto
     idx = b["gather_idx"][rows].to(device)
     picked = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))  # [n, T, V]
     logp = logprobs_from_logits(picked, b["response_ids"][rows].to(device))
-    ent = entropy_from_logits(picked.detach()) if with_entropy else None
+    ent = entropy_from_logits(picked if entropy_grad else picked.detach()) if with_entropy else None
     return logp, ent
+
+
+def _hf_module(model):
+    """The HF causal LM inside a DeepSpeed engine (or the model itself)."""
+    return getattr(model, "module", model)
+
+
+def _zero3_partitioned(p: torch.Tensor) -> bool:
+    return hasattr(p, "ds_id") and getattr(p, "ds_status", None) is not None and p.numel() == 0
+
+
+@contextlib.contextmanager
+def _attn_implementation(config, impl: str):
+    """``config._attn_implementation`` set to ``impl`` for the duration (the padded path and
+    generation keep the model's own)."""
+    before = config._attn_implementation
+    if before == impl:
+        yield
+        return
+    config._attn_implementation = impl
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+def packed_token_logprobs(model, b: dict, rows, temperature: float, device, autocast: bool,
+                          with_entropy: bool = False, chunk_tokens: int = 1024):
+    """Per-response-token logprobs (and entropies) of table rows ``rows`` (index array), packed
+    into one padding-free sequence (:func:`~prorl_async.learners.packing.pack_micro_batch`):
+    ``position_ids`` restart at 0 per sequence, no ``attention_mask`` is passed, and the
+    sequence boundaries go to the attention function as flash-attention's varlen kwargs
+    (``cu_seq_lens_q`` ...): flash attention (GPU) uses its varlen kernels; any other
+    implementation is swapped for :func:`~prorl_async.learners.packing.varlen_sdpa_attention`
+    for the call (one causal sdpa per sequence: ``sum L_i^2`` work, no ``N x N`` mask, the
+    CPU choice), so attention never crosses sequences.
+    The decoder body runs on the packed row; the LM head and log-softmax run on the response
+    positions only, ``chunk_tokens`` at a time (:func:`prorl_async.algo.token_logprobs.token_logprobs`),
+    so no ``tokens x vocab`` fp32 tensor exists. Under ZeRO-3 (the head's weight is partitioned
+    and only a module call gathers it) the head runs as a module call on the response positions.
+
+    Returns ``[len(rows), T]`` tensors in the padded path's layout (zeros past each response)."""
+    device = torch.device(device)
+    rows = np.asarray(rows, dtype=np.int64)
+    mb = pack_micro_batch(b["_prompt"], b["_response"], rows)
+    hf = _hf_module(model)
+    body = hf.get_decoder() if hasattr(hf, "get_decoder") else hf.model
+    head = hf.get_output_embeddings()
+    ids, pos = mb.input_ids.to(device), mb.position_ids.to(device)
+    impl = hf.config._attn_implementation or "sdpa"
+    # flash attention reads the boundaries itself (varlen kernels); anything else runs one sdpa per sequence
+    varlen = impl if impl.startswith("flash_attention") else register_varlen_sdpa()
+    with autocast_ctx(device, autocast), _attn_implementation(hf.config, varlen):
+        hidden = body(input_ids=ids, position_ids=pos, use_cache=False,
+                      **packed_attention_kwargs(mb, device)).last_hidden_state
+    h = hidden[0].index_select(0, mb.loss_index.to(device))
+    targets = mb.targets.to(device)
+    if isinstance(head, torch.nn.Linear) and not _zero3_partitioned(head.weight):
+        w, bias = head.weight, head.bias
+        dtype = torch.bfloat16 if autocast else w.dtype  # what autocast would run the head in
+        logp, ent = chunked_token_logprobs(h.to(dtype), w.to(dtype), targets,
+                                           bias=None if bias is None else bias.to(dtype), temperature=temperature,
+                                           chunk_tokens=chunk_tokens, with_entropy=with_entropy)
+    else:
+        with autocast_ctx(device, autocast):
+            logits = head(h)
+        logits = logits.float() / temperature
+        logp = logprobs_from_logits(logits, targets)
+        ent = entropy_from_logits(logits) if with_entropy else None
+    rlen = torch.from_numpy(np.diff(b["_response"][1])[rows])
+    T = b["mask"].shape[1]
+    local = torch.repeat_interleave(torch.arange(rows.size), rlen).to(device)
+    col = (torch.arange(int(rlen.sum())) - torch.repeat_interleave(torch.cumsum(rlen, 0) - rlen, rlen)).to(device)
+    out_lp = logp.new_zeros((rows.size, T)).index_put((local, col), logp)
+    out_ent = ent.new_zeros((rows.size, T)).index_put((local, col), ent) if with_entropy else None
+    return out_lp, out_ent
 
 
 # ---------------------------------------------------------------------- loss, metrics
@@ -230,7 +359,7 @@ def batch_metrics(b: dict, version: int, dt: float, ppo_epochs: int, cause: Opti
         "len/response_mean": float(b["lengths"].float().mean()),
         "len/truncated_frac": float(b["truncated"].float().mean()),
         "perf/train_s": dt,
-        "perf/train_tok_s": float(b["attention_mask"].sum() * ppo_epochs) / dt,
+        "perf/train_tok_s": float(b["seq_lens"].sum() * ppo_epochs) / dt,
         "perf/train_valid_tokens": float(b["mask"].sum()),
         "async/trained_staleness_max": float(staleness.max()),
         "async/trained_staleness_mean": float(staleness.float().mean()),
@@ -259,19 +388,51 @@ class LearnerCore:
     def __init__(self, cfg, ops):
         self.cfg, self.ops = cfg, ops
 
+    @property
+    def packing(self) -> bool:
+        return self.cfg.train.micro_batch_tokens > 0
+
     def _logprobs(self, model, b, rows, with_entropy=False):
-        o = self.ops
-        return token_logprobs(model, b, rows, self.cfg.rollout.temperature, o.device, o.autocast, with_entropy)
+        """Logprobs (and entropies) ``[len(rows), T]`` of ``rows`` (a slice on the padded path, an
+        index array of packed rows with packing)."""
+        o, t = self.ops, self.cfg.train
+        temp = self.cfg.rollout.temperature
+        if self.packing:
+            return packed_token_logprobs(model, b, rows, temp, o.device, o.autocast, with_entropy,
+                                         chunk_tokens=t.logprob_chunk_tokens)
+        return token_logprobs(model, b, rows, temp, o.device, o.autocast, with_entropy,
+                              entropy_grad=self.cfg.algo.entropy_coef != 0)
+
+    def micro_batches(self, b: dict, rows: slice) -> list:
+        """The micro-batches of a slice of rows: ``train.micro_batch_size`` contiguous rows each
+        (padded path), or with packing index arrays of rows holding at most
+        ``train.micro_batch_tokens`` prompt+response tokens (first-fit decreasing; a sequence
+        longer than that gets a micro-batch of its own)."""
+        if rows.start >= rows.stop:
+            return []
+        if not self.packing:
+            mbs = self.ops.micro
+            return [slice(i, min(rows.stop, i + mbs)) for i in range(rows.start, rows.stop, mbs)]
+        lens = b["seq_lens"][rows]
+        budget = max(self.cfg.train.micro_batch_tokens, int(lens.max()))
+        return [p + rows.start for p in plan_micro_batches(lens, budget)]
+
+    def _dummy_rows(self):
+        return np.zeros(1, dtype=np.int64) if self.packing else slice(0, 1)
 
     @torch.no_grad()
     def no_grad_logprobs(self, model, b: dict, n_micro: Optional[int] = None) -> torch.Tensor:
         """Logprobs of every row; ``n_micro`` pads the loop with forwards of row 0 so that every
         rank runs as many forwards as the busiest one (ZeRO-3 gathers parameters in each)."""
-        n, mbs = b["mask"].shape[0], self.ops.micro
-        out = [self._logprobs(model, b, slice(i, i + mbs))[0] for i in range(0, n, mbs)]
-        for _ in range(len(out), n_micro or 0):
-            self._logprobs(model, b, slice(0, 1))
-        return torch.cat(out)
+        n = b["mask"].shape[0]
+        out = torch.zeros_like(b["mask"])
+        parts = self.micro_batches(b, slice(0, n))
+        for rows in parts:
+            idx = torch.as_tensor(rows) if not isinstance(rows, slice) else rows
+            out[idx] = self._logprobs(model, b, rows)[0].to(out.device)
+        for _ in range(len(parts), n_micro or 0):
+            self._logprobs(model, b, self._dummy_rows())
+        return out
 
     def learner_step(self, table: pa.Table, step: Optional[int], stats_reduce=None) -> dict:
         """One learner step on a rollout table, the same for both learners: prepare the batch,
@@ -282,6 +443,7 @@ class LearnerCore:
         o = self.ops
         step = o.version if step is None else step
         t0 = time.perf_counter()
+        table = learner_columns(table)  # display columns (response_text ...) are dropped here, zero-copy
         b, shape_metrics = prepare_batch(table, o.pad_id, self.cfg, step, o.length_schedule, stats_reduce=stats_reduce)
         metrics = self.train_step(b, o.ref, step, o.version)
         if metrics["actor/updates"]:
@@ -301,10 +463,10 @@ class LearnerCore:
         the step-level ones (version, timing) that the learner adds."""
         a, t, o = self.cfg.algo, self.cfg.train, self.ops
         mask, adv, n = b["mask"], b["advantages"], b["mask"].shape[0]
-        mbs = o.micro
         slices = mini_batch_slices(n, t.mini_batches)
+        plans = [self.micro_batches(b, s) for s in slices]
         # every rank runs as many micro-batches per mini-batch as the busiest rank (collectives pair up)
-        counts = o.reduce(torch.tensor([-(-(s.stop - s.start) // mbs) for s in slices] + [-(-n // mbs)],
+        counts = o.reduce(torch.tensor([len(p) for p in plans] + [len(self.micro_batches(b, slice(0, n)))],
                                        dtype=torch.float64), "max").long().tolist()
         multi = t.mini_batches * t.ppo_epochs > 1
         old_all = self.no_grad_logprobs(o.policy, b, counts[-1]) if multi else None
@@ -320,11 +482,11 @@ class LearnerCore:
                 o.zero_grad()
                 finite = True
                 for k in range(counts[j]):
-                    rows = slice(mb.start + k * mbs, min(mb.stop, mb.start + (k + 1) * mbs))
-                    dummy = rows.start >= rows.stop  # this rank has fewer rows: a zero-gradient pass
-                    if dummy:
-                        rows = slice(0, 1)
+                    dummy = k >= len(plans[j])  # this rank has fewer micro-batches: a zero-gradient pass
+                    rows = self._dummy_rows() if dummy else plans[j][k]
                     logp, ent = self._logprobs(o.policy, b, rows, with_entropy=True)
+                    if not isinstance(rows, slice):
+                        rows = torch.as_tensor(rows)
                     mk = mask[rows].to(logp.device) * (0.0 if dummy else 1.0)
                     if not dummy and not multi:
                         start_lp[rows] = logp.detach().to(start_lp.device)

@@ -169,6 +169,56 @@ def pack_rollouts(table: pa.Table, micro_batch_tokens: int) -> list[PackedMicroB
             for rows in plan_micro_batches(seq_lens, micro_batch_tokens)]
 
 
+VARLEN_SDPA = "prorl_varlen_sdpa"
+
+
+def varlen_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                          dropout: float = 0.0, scaling: Optional[float] = None, cu_seq_lens_q=None, **kwargs):
+    """Causal attention of a packed row, one ``scaled_dot_product_attention`` per sequence.
+
+    An HF attention function (``AttentionInterface``) for packed input on hardware without
+    flash-attention's varlen kernel (CPU): the sequences of ``[1, heads, N, d]`` q/k/v are cut
+    at ``cu_seq_lens_q`` (the same boundaries flash-attention's varlen path takes) and each
+    attends causally to itself only. Costs ``sum L_i^2`` like varlen flash attention, where a
+    block-diagonal ``N x N`` mask through sdpa costs ``N^2`` (and, on sdpa's math path, an
+    ``N x N`` score tensor per head). Without ``cu_seq_lens_q`` it is plain causal sdpa.
+    Returns ``([1, N, heads, d], None)`` as transformers' sdpa function does."""
+    if attention_mask is not None:
+        raise ValueError(f"{VARLEN_SDPA}: packed input takes no attention_mask (sequences are cut at cu_seq_lens_q)")
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    bounds = [0, query.shape[2]] if cu_seq_lens_q is None else [int(x) for x in cu_seq_lens_q.tolist()]
+    p = dropout if module.training else 0.0
+    outs = [torch.nn.functional.scaled_dot_product_attention(
+        query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=p, is_causal=True, scale=scaling)
+        for s, e in zip(bounds[:-1], bounds[1:])]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args, **kwargs):
+    return None  # varlen attention cuts sequences itself: no N x N mask is built
+
+
+def register_varlen_sdpa() -> str:
+    """Register :func:`varlen_sdpa_attention` with transformers (idempotent); returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(VARLEN_SDPA, _no_mask)
+    return VARLEN_SDPA
+
+
+def packed_attention_kwargs(mb: "PackedMicroBatch", device) -> dict:
+    """Sequence boundaries of a packed row in the kwargs transformers hands to its attention
+    function (flash-attention's varlen names, also read by :func:`varlen_sdpa_attention`)."""
+    cu = mb.cu_seqlens.to(device=device, dtype=torch.int32)
+    longest = int((mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).max())
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
 def packed_logprobs(model, mb: PackedMicroBatch, *, temperature: float = 1.0, chunk_tokens: int = 1024,
                     with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Logprobs ``[M]`` (and entropy ``[M]``) of ``mb``'s response tokens under an HF causal LM.
