@@ -269,8 +269,10 @@ def test_grader_or_generator_killed_mid_step_is_not_a_learner_failure(
     assert killed == [2] and summary["steps"] == 4
     if victim == "grader":  # one death; calls failed across a slow restart can count it twice (as the test above)
         assert summary["grader_failures"] >= 1 and summary["generator_failures"] == 0
-    else:
-        assert summary["generator_failures"] == 1 and summary["grader_failures"] == 0
+    else:  # a call in flight fails (a death); a generator killed idle restarts before its next call,
+        # which the driver sees as weights of another version (a re-sync) -- both are timing
+        assert summary["grader_failures"] == 0
+        assert summary["generator_failures"] == 1 or summary["weight_resyncs"] >= 1, summary
     assert [h["step"] for h in _history(tmp_path)] == [1, 2, 3, 4]
     a = assert_nothing_lost_or_repeated(cfg, _latest(tmp_path).path)
     assert sum(a["trained"].values()) == 4 * 8

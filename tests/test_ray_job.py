@@ -127,9 +127,16 @@ class Head:
             return json.loads(r.read())
 
     def ray(self, *args, timeout: float = 120) -> subprocess.CompletedProcess:
-        """The ``ray`` CLI as a user on this cluster runs it (token in the environment)."""
-        return subprocess.run([str(BIN / "ray"), *args], cwd=ROOT, env=self.env, capture_output=True,
-                              text=True, timeout=timeout)
+        """The ``ray`` CLI as a user on this cluster runs it (token in the environment). A job
+        submitted before the head's job agent is up is refused with "No available agent to submit
+        job, please try again later" (seen on a loaded machine): tried again for up to a minute."""
+        deadline = time.time() + 60
+        while True:
+            res = subprocess.run([str(BIN / "ray"), *args], cwd=ROOT, env=self.env, capture_output=True,
+                                 text=True, timeout=timeout)
+            if "No available agent to submit job" not in res.stdout + res.stderr or time.time() > deadline:
+                return res
+            time.sleep(3)
 
     def stop(self) -> list[int]:
         """Stop what ``start`` started; returns pids that needed a SIGKILL."""

@@ -87,7 +87,7 @@ def _step_both(kind, model, table, request, tokens, *over):
     return out
 
 
-def _assert_equal_steps(padded, packed, rtol=1e-4, atol=2e-5):
+def _assert_equal_steps(padded, packed, rtol=1e-4, atol=2e-5, weights_skip=()):
     (lp, mp, gp), (lk, mk, gk) = padded, packed
     assert mk["actor/updates"] == mp["actor/updates"] == 2.0
     for key in ("actor/pg_loss", "actor/entropy", "kl/loss_term", "actor/grad_norm", "mismatch/all_kl_k3"):
@@ -107,7 +107,8 @@ def _assert_equal_steps(padded, packed, rtol=1e-4, atol=2e-5):
             torch.testing.assert_close(y, x, rtol=rtol, atol=atol, msg=lambda m: f"step {step} grad {n}: {m}")
         assert max(float(x.abs().max()) for x in a) > 1e-3  # real gradients were compared
     for (n, x), (_, y) in zip(lp.named_tensors(), lk.named_tensors()):
-        torch.testing.assert_close(y, x, rtol=rtol, atol=atol, msg=n)
+        if n not in weights_skip:
+            torch.testing.assert_close(y, x, rtol=rtol, atol=atol, msg=n)
 
 
 @pytest.mark.parametrize("kind", LEARNERS)
@@ -130,7 +131,10 @@ def test_packed_step_equals_padded_step_on_smollm2(smollm2_model, request):
     table = graded_table(groups=2, n=4, seed=6, vocab=2000, prompt_len=12, max_resp=16)
     padded, packed = _step_both("torch", smollm2_model, table, request, 64, "train.prompts_per_step=2",
                                 "train.mini_batches=2", "train.logprob_chunk_tokens=16")
-    _assert_equal_steps(padded, packed, rtol=1e-3, atol=1e-4)
+    # the tied embedding / LM head: rows of tokens the batch never makes likely get gradients at
+    # float-noise level (compared above at every step); AdamW divides them by their own tiny
+    # scale, so noise-level differences become lr-sized steps -- the weights are not comparable there
+    _assert_equal_steps(padded, packed, rtol=1e-3, atol=1e-4, weights_skip=("model.embed_tokens.weight",))
 
 
 def test_learner_reads_only_its_columns_from_arrow_offsets():
