@@ -362,14 +362,7 @@ class WeightSyncGroup:
                     break
         if error is not None:
             raise WeightSyncError(f"{error}; update to version {version} discarded")
-        out: list[tuple[str, torch.Tensor]] = []
-        for b, flat in zip(buckets, flats):
-            offset = 0
-            for i in b:
-                name, shape, _ = sent[i]
-                n = int(torch.Size(shape).numel())
-                out.append((name, flat[offset:offset + n].view(shape)))
-                offset += n
+        out = _unpack(buckets, flats, sent)
         self.last_seconds = time.perf_counter() - t0
         self.last_bytes = sum(f.numel() * f.element_size() for f in flats)
         return version, out
@@ -556,17 +549,23 @@ class IpcWeightReceiver:
             if not abs(got - want) <= 1e-6 * max(1.0, abs(want)):
                 raise WeightSyncError(f"weight bucket checksum mismatch ({got} != {want}); "
                                       f"update to version {version} discarded")
-        out: list[tuple[str, torch.Tensor]] = []
-        for b, flat in zip(buckets, flats):
-            offset = 0
-            for i in b:
-                name, shape, _ = sent[i]
-                n = int(torch.Size(shape).numel())
-                out.append((name, flat[offset:offset + n].view(shape)))
-                offset += n
+        out = _unpack(buckets, flats, sent)
         self.last_seconds = time.perf_counter() - t0
         self.last_bytes = sum(f.numel() * f.element_size() for f in flats)
         return version, out
 
     def close(self) -> None:
         pass
+
+
+def _unpack(buckets, flats, sent) -> list[tuple[str, torch.Tensor]]:
+    """Views of each received flat bucket as the named tensors of the manifest ``sent``."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for b, flat in zip(buckets, flats):
+        offset = 0
+        for i in b:
+            name, shape, _ = sent[i]
+            n = int(torch.Size(shape).numel())
+            out.append((name, flat[offset:offset + n].view(shape)))
+            offset += n
+    return out
