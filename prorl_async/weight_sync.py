@@ -119,6 +119,25 @@ def _from_manifest(m: list) -> list[tuple[str, tuple, torch.dtype]]:
     return [(n, tuple(shape), getattr(torch, dt)) for n, shape, dt in m]
 
 
+def _read_plan(m: dict, n_buckets: int, shapes) -> tuple[list, list[list[int]], Optional[str]]:
+    """A receiver's reading of the sender's manifest: (params as sent, parameter indices per bucket,
+    the reason to refuse the update or None). ``n_buckets`` is how many buckets the sender said it
+    sends; ``shapes`` the receiver's expected layout (None accepts the sender's)."""
+    sent = _from_manifest(m["params"])
+    bounds = [0]
+    for count in m["buckets"]:
+        bounds.append(bounds[-1] + count)
+    buckets = [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
+    if n_buckets != len(buckets) or bounds[-1] != len(sent):
+        return sent, buckets, f"corrupt weight-sync manifest ({n_buckets} buckets sent, {len(buckets)} planned)"
+    if shapes is not None and _manifest(shapes) != _manifest(sent):
+        diff = next(((a, b) for a, b in zip(_manifest(shapes), _manifest(sent)) if a != b),
+                    (len(shapes), len(sent)))
+        return sent, buckets, (f"learner and generator models differ (expected/received: {diff[0]} / {diff[1]}); "
+                               "a dtype difference means the receiver must announce its dtype (wire_dtype)")
+    return sent, buckets, None
+
+
 def _as_dtype(d: Union[None, str, torch.dtype]) -> Optional[torch.dtype]:
     if d is None or isinstance(d, torch.dtype):
         return d
@@ -325,19 +344,7 @@ class WeightSyncGroup:
         manifest = torch.zeros(m_bytes, dtype=torch.uint8, device=self.device)
         self._bcast(manifest)
         m = json.loads(manifest.cpu().numpy().tobytes().decode())
-        sent = _from_manifest(m["params"])
-        bounds = [0]
-        for count in m["buckets"]:
-            bounds.append(bounds[-1] + count)
-        buckets = [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
-        error = None
-        if n_buckets != len(buckets) or bounds[-1] != len(sent):
-            error = f"corrupt weight-sync manifest ({n_buckets} buckets announced, {len(buckets)} planned)"
-        elif shapes is not None and _manifest(shapes) != _manifest(sent):
-            diff = next(((a, b) for a, b in zip(_manifest(shapes), _manifest(sent)) if a != b),
-                        (len(shapes), len(sent)))
-            error = (f"learner and generator models differ (expected/received: {diff[0]} / {diff[1]}); "
-                     "a dtype difference means the receiver must announce its dtype (wire_dtype)")
+        sent, buckets, error = _read_plan(m, n_buckets, shapes)
         flats = [_empty(sum(int(torch.Size(sent[i][1]).numel()) for i in b), sent[b[0]][2], self.device)
                  for b in buckets]
         got: list[float] = []
@@ -512,23 +519,11 @@ class IpcWeightReceiver:
         t0 = time.perf_counter()
         version = int(payload["version"])
         m = json.loads(payload["manifest"])
-        sent = _from_manifest(m["params"])
-        bounds = [0]
-        for count in m["buckets"]:
-            bounds.append(bounds[-1] + count)
-        buckets = [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
         if self.rank > len(payload["handles"]):
             raise WeightSyncError(f"ipc weight sync: receiver rank {self.rank} has no handles "
                                   f"({len(payload['handles'])} receivers were planned); re-form the group")
         handles = payload["handles"][self.rank - 1]
-        error = None
-        if len(handles) != len(buckets) or bounds[-1] != len(sent):
-            error = f"corrupt weight-sync manifest ({len(handles)} buckets sent, {len(buckets)} planned)"
-        elif shapes is not None and _manifest(shapes) != _manifest(sent):
-            diff = next(((a, b) for a, b in zip(_manifest(shapes), _manifest(sent)) if a != b),
-                        (len(shapes), len(sent)))
-            error = (f"learner and generator models differ (expected/received: {diff[0]} / {diff[1]}); "
-                     "a dtype difference means the receiver must announce its dtype (wire_dtype)")
+        sent, buckets, error = _read_plan(m, len(handles), shapes)
         if error is not None:
             raise WeightSyncError(f"{error}; update to version {version} discarded")
         key = payload["device"]
