@@ -21,6 +21,9 @@ as the driver moves it, from the ``take`` call to the learner's answer:
   still has the previous one (two ``train_step`` calls in flight), as a driver that overlapped
   the hand-over with a training step would move them; time = the stream's wall time / batches.
 
+For ``by_reference`` the time is split into its legs (``LEGS``; medians, wall-clock stamps taken
+by the driver and the stand-in on the same machine).
+
 Bytes/s = the table's Arrow ``nbytes`` / seconds (median of ``--repeats`` for the one-at-a-time
 paths), timed two ways:
 to the learner's answer (the driver's view, two round trips) and until the learner holds the
@@ -39,6 +42,11 @@ from pathlib import Path
 
 from _common import OUT_DIR, arg_parser, machine, memcpy_gbps, start_ray, table, write_json
 from bench_buffer import make_batches
+
+
+# the by-reference path's legs: the driver's take round trip; from the driver's train_step call
+# until the learner runs it; the learner's resolve_batch; from its return to the driver's answer
+LEGS = ("take", "hand-over", "resolve", "answer")
 
 
 def parse_args(argv=None):
@@ -60,8 +68,10 @@ def run_paths(args) -> tuple[list[dict], int]:
     @ray.remote(num_cpus=0)
     class LearnerStandIn:
         def train_step(self, batch, step: int) -> dict:
+            entered = time.time()
             t = resolve_batch(batch)
-            return {"rows": t.num_rows, "nbytes": t.nbytes, "held_at": time.time()}  # the learner holds the batch
+            return {"rows": t.num_rows, "nbytes": t.nbytes, "entered_at": entered,
+                    "held_at": time.time()}  # the learner holds the batch
 
     per_batch = 16  # groups in a request of make_batches (16 prompts x 8 samples)
     batches = make_batches(max(1, args.groups // per_batch) * (args.repeats * 3 + 1), args.prompt_len,
@@ -74,7 +84,8 @@ def run_paths(args) -> tuple[list[dict], int]:
 
     def by_reference():
         info = ray.get(buffer.take.remote(0, args.groups))
-        return ray.get(learner.train_step.remote(info["table"], 0))
+        taken = time.time()
+        return {**ray.get(learner.train_step.remote(info["table"], 0)), "taken_at": taken}
 
     def through_driver():
         info = ray.get(buffer.take.remote(0, args.groups))
@@ -88,12 +99,16 @@ def run_paths(args) -> tuple[list[dict], int]:
     out = []
     for name, fn in (("by_reference", by_reference), ("through_driver", through_driver), ("put_get", put_get)):
         fn()  # warm-up
-        times, held, nbytes = [], [], 0
+        times, held, legs, nbytes = [], [], [], 0
         for _ in range(args.repeats - 1):
             t0, w0 = time.perf_counter(), time.time()
             r = fn()
             times.append(time.perf_counter() - t0)
+            w3 = time.time()
             held.append(r["held_at"] - w0)  # same machine, same clock
+            if "taken_at" in r:  # where the time goes: take's round trip, hand-over, resolve, answer
+                legs.append((r["taken_at"] - w0, r["entered_at"] - r["taken_at"], r["held_at"] - r["entered_at"],
+                             w3 - r["held_at"]))
             assert r["rows"] == args.groups * 8, r
             nbytes = r["nbytes"]
         med, med_held = statistics.median(times), statistics.median(held)
@@ -102,6 +117,10 @@ def run_paths(args) -> tuple[list[dict], int]:
                     "held_ms": med_held * 1e3, "held_gbps": nbytes / med_held / 1e9})
         print(f"  {name:<15} {nbytes / 1e6:.1f} MB: median {med * 1e3:.1f} ms to the answer, "
               f"{med_held * 1e3:.1f} ms until the learner holds it", flush=True)
+        if legs:
+            out[-1]["legs_ms"] = {k: statistics.median(x[i] for x in legs) * 1e3 for i, k in enumerate(LEGS)}
+            print("  " + " " * 16 + ", ".join(f"{k} {v:.2f} ms" for k, v in out[-1]["legs_ms"].items()) + " (medians)",
+                  flush=True)
 
     # pipelined: the next batch is taken and handed over while the learner still has the previous
     # one (two train_step calls in flight), as a driver would overlap them with a training step
