@@ -33,6 +33,7 @@ import importlib.util
 import json
 import os
 import signal
+import string
 import subprocess
 import sys
 import threading
@@ -164,26 +165,39 @@ def _rows_of(payload: dict, *names: str) -> list[dict]:
     raise KeyError(" or ".join(names))
 
 
+class _Fill(string.Formatter):
+    """``str.format`` over a script's JSON row: a missing key shows as ``?``, or ``n/a`` where the
+    template wants a number (older or newer scripts)."""
+
+    def get_value(self, key, args, kwargs):
+        return kwargs.get(key) if isinstance(key, str) else super().get_value(key, args, kwargs)
+
+    def format_field(self, value, spec):
+        if spec and not isinstance(value, (int, float)):
+            return "n/a"
+        return "?" if value is None else super().format_field(value, spec)
+
+
 def _ratio_rows(p: dict, bench: str, key: str, fmt: str, target, ratio, detail) -> list[dict]:
-    """One table row per row of the script's JSON: ``ratio(r)`` names it, ``r[key]`` is its value,
-    ``target`` (a string, or ``target(r)``) the issue's line and ``detail(r)`` what it is made of;
-    a row without ``key`` shows n/a naming the key."""
+    """One table row per row of the script's JSON, its value ``r[key]``; ``target``, ``ratio`` (the
+    row's name) and ``detail`` are templates filled from the row and the JSON's top level (see
+    :class:`_Fill`), or functions of the row. A row without ``key`` shows n/a naming the key."""
+    def text(t, r):
+        return t(r) if callable(t) else _Fill().format(t, **{**p, **r})
+
     out = []
     for r in _rows_of(p, "rows", "results"):
-        goal = target(r) if callable(target) else target
         try:
-            out.append(_row(bench, ratio(r), _get(r, key), fmt, goal, detail(r)))
+            out.append(_row(bench, text(ratio, r), _get(r, key), fmt, text(target, r), text(detail, r)))
         except KeyError as e:
-            out.append(_row(bench, ratio(r), None, "", goal, f"key {e} missing"))
+            out.append(_row(bench, text(ratio, r), None, "", text(target, r), f"key {e} missing"))
     return out
 
 
 def sum_weight_sync(p: dict) -> list[dict]:
-    return _ratio_rows(
-        p, "weight_sync", "ratio", "{:.2f}x", "<= 1.3x at 135M and 550M",
-        lambda r: f"protocol s / bare broadcast s ({r.get('model', '?')}, {r.get('mode', '?')})",
-        lambda r: (f"{_f(r, 'gb', '{:.2f}')} GB: protocol {_f(r, 'gbps', '{:.2f}')} GB/s, bare "
-                   f"{_f(r, 'raw_gbps', '{:.2f}')} GB/s, memcpy {_f(p, 'memcpy_gbps', '{:.1f}')} GB/s"))
+    return _ratio_rows(p, "weight_sync", "ratio", "{:.2f}x", "<= 1.3x at 135M and 550M",
+                       "protocol s / bare broadcast s ({model}, {mode})", "{gb:.2f} GB: protocol {gbps:.2f} GB/s, "
+                       "bare {raw_gbps:.2f} GB/s, memcpy {memcpy_gbps:.1f} GB/s")
 
 
 def sum_learner(p: dict) -> list[dict]:
@@ -200,8 +214,7 @@ def sum_learner(p: dict) -> list[dict]:
         return (">= 60% of the fp32 peak" if prec == "fp32" else ">= 30% of the bf16 peak") + " (SmolLM2-135M, packing on)"
 
     return _ratio_rows(p, p.get("benchmark", "learner"), "frac_peak_8nt", "{:.1%}", target, ratio,
-                       lambda r: (f"{what}: {_f(r, 'tok_s', '{:.0f}')} tok/s, {_f(r, 'gflops_8nt', '{:.1f}')} of "
-                                  f"{_f(r, 'peak_gflops', '{:.0f}')} GFLOP/s"))
+                       what + ": {tok_s:.0f} tok/s, {gflops_8nt:.1f} of {peak_gflops:.0f} GFLOP/s")
 
 
 def sum_generation(p: dict) -> list[dict]:
@@ -224,23 +237,16 @@ def sum_generation(p: dict) -> list[dict]:
 
 
 def sum_buffer(p: dict) -> list[dict]:
-    return _ratio_rows(
-        p, "buffer", "take_frac_memcpy", "{:.1%}", ">= 50% (256-row 8K-token batch to the learner)",
-        lambda r: f"take bytes/s / memcpy ({r.get('path', '?')}, {r.get('response_len', '?')}-token rows)",
-        lambda r: (f"take {_f(r, 'take_gbps', '{:.2f}')} GB/s, put {_f(r, 'put_gbps', '{:.2f}')} GB/s, "
-                   f"memcpy {_f(p, 'memcpy_gbps', '{:.2f}')} GB/s"))
+    return _ratio_rows(p, "buffer", "take_frac_memcpy", "{:.1%}", ">= 50% (256-row 8K-token batch to the learner)",
+                       "take bytes/s / memcpy ({path}, {response_len}-token rows)",
+                       "take {take_gbps:.2f} GB/s, put {put_gbps:.2f} GB/s, memcpy {memcpy_gbps:.2f} GB/s")
 
 
 def sum_rollout_transport(p: dict) -> list[dict]:
-    def detail(r):
-        held = f"; until it holds the batch {_f(r, 'held_frac_memcpy', '{:.1%}')}" if "held_frac_memcpy" in r else ""
-        return (f"{_f(r, 'median_ms', '{:.1f}')} ms a batch, {_f(r, 'gbps', '{:.2f}')} GB/s to the learner's answer"
-                f"{held}; memcpy {_f(p, 'memcpy_gbps', '{:.2f}')} GB/s")
-
-    return _ratio_rows(
-        p, "rollout_transport", "frac_memcpy", "{:.1%}", ">= 50% (256-row 8K-token batch)",
-        lambda r: (f"buffer -> learner bytes/s / memcpy ({r.get('path', '?')}, {r.get('rows', '?')} rows, "
-                   f"{_f(r, 'mb', '{:.0f}')} MB)"), detail)
+    return _ratio_rows(p, "rollout_transport", "frac_memcpy", "{:.1%}", ">= 50% (256-row 8K-token batch)",
+                       "buffer -> learner bytes/s / memcpy ({path}, {rows} rows, {mb:.0f} MB)",
+                       "{median_ms:.1f} ms a batch, {gbps:.2f} GB/s to the learner's answer; until it holds the "
+                       "batch {held_frac_memcpy:.1%}; memcpy {memcpy_gbps:.2f} GB/s")
 
 
 def sum_e2e(p: dict) -> list[dict]:
