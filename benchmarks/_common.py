@@ -20,8 +20,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # this checkout's packages before any other on the path
 
 # $PRORL_BENCH_OUT (set by ``prorl-async bench --out DIR``) redirects every script's JSON/PNG
 OUT_DIR = Path(os.environ.get("PRORL_BENCH_OUT") or Path(__file__).resolve().parent / "out")
