@@ -4,7 +4,7 @@ Issue 14 ("hot paths at the limits of the machine") states its targets as ratios
 by side in one run; this command runs the scripts that measure them, each as a subprocess of
 this Python with the scripts' own defaults (full mode), points their JSON/PNG output at ``--out``
 (``$PRORL_BENCH_OUT``, read by ``benchmarks/_common.py``), then reads the JSON back and prints
-the table below. ``--quick`` is about a minute on a 2-core CPU and measures at the issue's sizes
+the table below. ``--quick`` is under a minute on an idle 2-core CPU and measures at the issue's sizes
 where that is cheap (a 135M-parameter weight sync, the 256-row 8K-token buffer -> learner batch)
 and at a small one where it is not (the learner at 6M parameters); the jobs whose fixed costs
 are minutes (a vLLM engine start, SmolLM2 train steps, training runs per mode) run in full mode
