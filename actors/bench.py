@@ -4,8 +4,8 @@ Issue 14 ("hot paths at the limits of the machine") states its targets as ratios
 by side in one run; this command runs the scripts that measure them, each as a subprocess of
 this Python with the scripts' own defaults (full mode), points their JSON/PNG output at ``--out``
 (``$PRORL_BENCH_OUT``, read by ``benchmarks/_common.py``), then reads the JSON back and prints
-the table below. ``--quick`` is under a minute on an idle 2-core CPU and measures at the issue's sizes
-where that is cheap (a 135M-parameter weight sync, the 256-row 8K-token buffer -> learner batch)
+the table below. ``--quick`` is under a minute on an idle 2-core CPU and measures at the
+issue's sizes where that is cheap (a 135M-parameter weight sync, the 256-row 8K-token buffer -> learner batch)
 and at a small one where it is not (the learner at 6M parameters); the jobs whose fixed costs
 are minutes (a vLLM engine start, SmolLM2 train steps, training runs per mode) run in full mode
 only, and their ratios are named in the table with the reason. The ratios:
@@ -95,7 +95,8 @@ def jobs(quick: bool, cache_dir: str) -> dict[str, Job]:
                                   ("vLLM tok/s / transformers tok/s", "vLLM faster (in one run)"))),
         "buffer": Job("bench_buffer.py", "bench_buffer",
                       quick=(), summarize=sum_buffer,
-                      full_only="the buffer's own put/take rates; quick measures buffer -> learner in rollout_transport"),
+                      full_only="the buffer's own put/take rates; quick measures buffer -> learner in "
+                                "rollout_transport"),
         "rollout_transport": Job("bench_rollout_transport.py", "bench_rollout_transport",
                                  quick=("--repeats", "8"), summarize=sum_rollout_transport),
         "e2e": Job("bench_e2e.py", "bench_e2e",
@@ -211,7 +212,8 @@ def sum_learner(p: dict) -> list[dict]:
 
     def target(r):
         prec = r.get("precision", "?")
-        return (">= 60% of the fp32 peak" if prec == "fp32" else ">= 30% of the bf16 peak") + " (SmolLM2-135M, packing on)"
+        goal = ">= 60% of the fp32 peak" if prec == "fp32" else ">= 30% of the bf16 peak"
+        return goal + " (SmolLM2-135M, packing on)"
 
     return _ratio_rows(p, p.get("benchmark", "learner"), "frac_peak_8nt", "{:.1%}", target, ratio,
                        what + ": {tok_s:.0f} tok/s, {gflops_8nt:.1f} of {peak_gflops:.0f} GFLOP/s")
@@ -331,8 +333,8 @@ def run_job(name: str, job: Job, bench_dir: Path, out_dir: Path, quick: bool, ti
 
 def summarize(name: str, job: Job, res: dict) -> list[dict]:
     if res.get("full_only"):  # --quick: the ratios it measures, named, with why they need the full mode
-        return [{**_row(name, ratio, None, "", target, f"{res['full_only']}; run without --quick"), "shown": "full mode only"}
-                for ratio, target in job.ratios or (("-", ""),)]
+        return [{**_row(name, ratio, None, "", target, f"{res['full_only']}; run without --quick"),
+                 "shown": "full mode only"} for ratio, target in job.ratios or (("-", ""),)]
     if res.get("skipped"):
         return [_row(name, "-", None, "", "", f"skipped: {res['skipped']}")]
     if res["error"]:
