@@ -121,8 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", default="compare.png", help="PNG of reward, accuracy, KL and length vs step and wall time")
     m.set_defaults(fn=_compare)
     b = sub.add_parser("bench", help="run benchmarks/ scripts and print the table of issue 14's ratios")
-    b.add_argument("--quick", action="store_true", help="small sizes: a few minutes on a 2-core CPU "
-                   "(default: each script's own defaults, much longer)")
+    b.add_argument("--quick", action="store_true", help="weight sync at 135M, the learner at 6M, buffer -> "
+                   "learner at the issue's batch: under a minute on an idle 2-core CPU; vLLM and training-run ratios "
+                   "are full mode only (default: each script's own defaults, much longer)")
     b.add_argument("--only", default="", help="comma list of weight_sync, learner, learner_packing, learner_smollm2, "
                    "generation, buffer, rollout_transport, e2e (default: all)")
     b.add_argument("--out", default="", help="folder for the scripts' JSON/PNG, logs and bench_summary.json "

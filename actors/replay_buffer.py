@@ -54,6 +54,9 @@ class ReplayBufferActor:
 
     @staticmethod
     def _refs(table: pa.Table, sources: list) -> BatchRefs:
+        """One part per run of consecutive rows of one object (a request's kept groups are usually
+        one run), so a batch carries a few references, not one per group (Ray serializes and
+        tracks every reference at each hop) and the learner makes a few slices, not one per group."""
         parts, loose, row = [], [], 0  # loose: consecutive groups with no object, put once together
         batches = iter(table.to_batches())  # one per group, in order (Table.from_batches of the groups)
 
@@ -65,12 +68,16 @@ class ReplayBufferActor:
 
         for where in sources:
             group = next(batches)
+            row += group.num_rows
             if where is None:
                 loose.append(group)
+                continue
+            flush()
+            ref, offset, length = where
+            if parts and parts[-1][0] == ref and parts[-1][1] + parts[-1][2] == offset:
+                parts[-1] = (ref, parts[-1][1], parts[-1][2] + length)  # the next rows of the same object
             else:
-                flush()
                 parts.append(where)
-            row += group.num_rows
         flush()
         return BatchRefs(parts, row)
 

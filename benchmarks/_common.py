@@ -1,12 +1,26 @@
-"""Helpers shared by the benchmark scripts: machine description, output paths, tables."""
+"""Helpers shared by the benchmark scripts: machine description, output paths, tables, the
+argument parser, a memcpy reference and a local Ray cluster.
+
+A script runs as ``python benchmarks/<script>.py`` (also under ``prorl-async bench``), so its own
+folder is ``sys.path[0]`` and ``from _common import ...`` finds this module; importing it puts
+the checkout's root on ``sys.path`` too, so the scripts import ``prorl_async`` and ``actors``
+from the same checkout.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
+import secrets
+import sys
+import tempfile
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's packages before any other on the path
 
 # $PRORL_BENCH_OUT (set by ``prorl-async bench --out DIR``) redirects every script's JSON/PNG
 OUT_DIR = Path(os.environ.get("PRORL_BENCH_OUT") or Path(__file__).resolve().parent / "out")
@@ -71,3 +85,39 @@ def plt():
     matplotlib.use("Agg")
     import matplotlib.pyplot as pyplot
     return pyplot
+
+
+def arg_parser(doc: str) -> argparse.ArgumentParser:
+    """A script's parser: the first paragraph of its docstring as description, defaults in --help."""
+    return argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+
+def memcpy_gbps(nbytes: int, reps: int = 5) -> float:
+    """Single-threaded ``numpy.copyto`` of ``nbytes``: bytes copied per second (each read once and
+    written once), best of ``reps``, after one copy that faults the pages in."""
+    import numpy as np
+
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    best = 0.0
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = max(best, nbytes / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def start_ray(**init) -> str:
+    """A local Ray cluster owned by this process: its own temp dir (returned; remove it after
+    ``ray.shutdown()``), a fresh auth token in this environment only, the checkout on the
+    workers' PYTHONPATH. ``init``: more ``ray.init`` arguments (``num_cpus``, ``object_store_memory``)."""
+    os.environ.setdefault("RAY_AUTH_MODE", "token")  # before ray is imported: it caches the mode
+    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    import ray
+
+    tmp = tempfile.mkdtemp(prefix="prorl-bench-ray-", dir="/tmp")
+    ray.init(include_dashboard=False, _temp_dir=tmp, logging_level="WARNING",
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}, **init)
+    return tmp

@@ -11,8 +11,10 @@ group correct so that dynamic sampling keeps every group:
 * ``ray``: the :class:`actors.replay_buffer.ReplayBufferActor` in a local Ray cluster started
   here (own temp dir, ``ray.shutdown()`` at the end). ``put`` = the driver's pattern: the batch
   is already in the object store (the grader's return value; ``ray.put`` here, timed apart) and
-  the actor is handed the reference; calls are pipelined. ``take`` = one ``take.remote`` whose
-  table the actor ``ray.put``s, then ``ray.get`` of that table by the caller (shared-memory read).
+  the actor is handed it (resolved by Ray) and its reference; calls are pipelined. ``take`` = one
+  ``take.remote``, which returns :class:`actors.replay_buffer.BatchRefs` (the objects the rows
+  live in), then their resolution by the caller (shared-memory mapping and slicing, no copy).
+  ``bench_rollout_transport.py`` times the whole way to a learner actor.
 
 GB/s counts the Arrow buffers of the rows moved once (``nbytes``). The reference is a
 single-threaded ``numpy.copyto`` of a 512 MiB array (bytes copied / s; each byte is read once
@@ -21,25 +23,16 @@ and written once), best of several.
 
 from __future__ import annotations
 
-import argparse
 import os
-import secrets
 import shutil
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import OUT_DIR, machine, plt, table, write_json  # noqa: E402
+from _common import OUT_DIR, arg_parser, machine, memcpy_gbps, plt, start_ray, table, write_json
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = arg_parser(__doc__)
     p.add_argument("--response-lens", default="1024,8192", help="response tokens per row")
     p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens per row")
     p.add_argument("--total-mb", type=float, default=256.0, help="data moved per configuration (MB)")
@@ -48,20 +41,6 @@ def parse_args(argv=None):
     p.add_argument("--no-ray", action="store_true", help="skip the Ray-actor path")
     p.add_argument("--out", type=Path, default=OUT_DIR, help="output folder")
     return p.parse_args(argv)
-
-
-def memcpy_gbps(mib: int, reps: int = 5) -> float:
-    import numpy as np
-
-    src = np.ones(mib * 2**20, dtype=np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)  # fault the pages in
-    best = 0.0
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = max(best, src.nbytes / (time.perf_counter() - t0) / 1e9)
-    return best
 
 
 def make_batches(num: int, plen: int, rlen: int, prompts: int = 16, n: int = 8):
@@ -124,17 +103,6 @@ def bench_pure(batches, groups_per_take: int) -> dict:
             "rows": rows_in, "bytes": bytes_in}
 
 
-def start_ray() -> str:
-    os.environ.setdefault("RAY_AUTH_MODE", "token")  # before ray is imported: it caches the mode
-    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
-    import ray
-
-    tmp = tempfile.mkdtemp(prefix="prorl-bench-ray-", dir="/tmp")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, logging_level="WARNING",
-             object_store_memory=2 * 2**30, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    return tmp
-
-
 def bench_ray(batches, groups_per_take: int) -> dict:
     import ray
 
@@ -148,7 +116,7 @@ def bench_ray(batches, groups_per_take: int) -> dict:
     refs = [ray.put(b) for b in batches]
     store_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    ray.get([actor.put.remote(r) for r in refs])
+    ray.get([actor.put.remote(r, [r]) for r in refs])  # as the driver puts a graded request
     put_s = time.perf_counter() - t0
     del refs
     taken_rows = taken_bytes = 0
@@ -157,7 +125,7 @@ def bench_ray(batches, groups_per_take: int) -> dict:
         info = ray.get(actor.take.remote(0, groups_per_take))
         if info["table"] is None:
             break
-        t = ray.get(info["table"])
+        t = info["table"].resolve()  # BatchRefs: map the objects the rows live in, slice them
         taken_rows += t.num_rows
         taken_bytes += t.nbytes
         del t, info
@@ -171,9 +139,9 @@ def bench_ray(batches, groups_per_take: int) -> dict:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    mem = memcpy_gbps(args.memcpy_mb)
+    mem = memcpy_gbps(args.memcpy_mb * 2**20)
     print(f"memcpy (numpy.copyto, {args.memcpy_mb} MiB, 1 thread): {mem:.2f} GB/s", flush=True)
-    ray_tmp = None if args.no_ray else start_ray()
+    ray_tmp = None if args.no_ray else start_ray(num_cpus=2, object_store_memory=2 * 2**30)
     results = []
     try:
         for rlen in [int(x) for x in args.response_lens.split(",")]:
@@ -196,7 +164,7 @@ def main(argv=None) -> dict:
             import ray
             ray.shutdown()
             shutil.rmtree(ray_tmp, ignore_errors=True)
-    mem = max(mem, memcpy_gbps(args.memcpy_mb))  # again at the end (shared machine); keep the better
+    mem = max(mem, memcpy_gbps(args.memcpy_mb * 2**20))  # again at the end (shared machine); keep the better
     for r in results:
         r["put_frac_memcpy"], r["take_frac_memcpy"] = r["put_gbps"] / mem, r["take_gbps"] / mem
     print()

@@ -20,28 +20,20 @@ With ``--repeats 2`` the modes run in the order 0,1,2,2,1,0 so that drift in mac
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import secrets
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import OUT_DIR, machine, plt, table, write_json  # noqa: E402
+from _common import OUT_DIR, arg_parser, machine, plt, start_ray, table, write_json
 
 PHASES = ("generate", "grade", "train", "sync", "eval")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = arg_parser(__doc__)
     p.add_argument("--steps", type=int, default=30, help="learner steps per mode (train.total_steps)")
     p.add_argument("--modes", default="0,1,2", help="comma-separated train.max_staleness values")
     p.add_argument("--eval-interval", type=int, default=5, help="train.eval_interval")
@@ -53,18 +45,6 @@ def parse_args(argv=None):
                    help="extra config override applied to every mode, e.g. rollout.n=8 (repeatable)")
     p.add_argument("--out", type=Path, default=OUT_DIR, help="output folder")
     return p.parse_args(argv)
-
-
-def start_ray() -> str:
-    """A local cluster owned by this process (own temp dir, a fresh token in the environment only)."""
-    os.environ.setdefault("RAY_AUTH_MODE", "token")  # before ray is imported: it caches the mode
-    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
-    import ray
-
-    tmp = tempfile.mkdtemp(prefix="prorl-bench-ray-", dir="/tmp")
-    ray.init(include_dashboard=False, _temp_dir=tmp, logging_level="WARNING",
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    return tmp
 
 
 def run_mode(staleness: int, args, work: Path, tag: str) -> dict:

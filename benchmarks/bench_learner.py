@@ -25,18 +25,12 @@ peak of the precision the matmuls run in (fp32 peak for fp32, bf16 peak for bf16
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import OUT_DIR, machine, plt, table, write_json  # noqa: E402
+from _common import OUT_DIR, arg_parser, machine, plt, table, write_json
 
 # name -> (hidden, layers, intermediate, heads); "builtin" is the built-in model's shape (models._tiny_config)
 SIZES = {
@@ -47,8 +41,7 @@ SIZES = {
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = arg_parser(__doc__)
     p.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, from {list(SIZES)}")
     p.add_argument("--precisions", default="fp32,bf16", help="fp32 and/or bf16 (autocast)")
     p.add_argument("--rows", type=int, default=32, help="responses per batch (4 prompts x n=8)")

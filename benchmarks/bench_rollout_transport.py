@@ -16,8 +16,16 @@ as the driver moves it, from the ``take`` call to the learner's answer:
   batch and passes the table as an argument, so it is serialized a second time.
 * ``put_get`` (Ray's floor for one hop): the driver ``ray.put``\\ s the same table and the
   stand-in resolves the reference.
+* ``pipelined`` (not what the driver does now: it takes the next batch after the step's answer):
+  ``--repeats`` batches as a stream, each taken and handed to the learner while the learner
+  still has the previous one (two ``train_step`` calls in flight), as a driver that overlapped
+  the hand-over with a training step would move them; time = the stream's wall time / batches.
 
-Bytes/s = the table's Arrow ``nbytes`` / seconds (median of ``--repeats``), timed two ways:
+For ``by_reference`` the time is split into its legs (``LEGS``; medians, wall-clock stamps taken
+by the driver and the stand-in on the same machine).
+
+Bytes/s = the table's Arrow ``nbytes`` / seconds (median of ``--repeats`` for the one-at-a-time
+paths), timed two ways:
 to the learner's answer (the driver's view, two round trips) and until the learner holds the
 table (its wall-clock stamp; same machine). The reference is a single-threaded
 ``numpy.copyto`` of the same number of bytes (bytes copied / s, best of ``--repeats``, twice,
@@ -26,45 +34,29 @@ after the paths; the better is kept) and, as bench_buffer.py uses, of 512 MiB (o
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import OUT_DIR, arg_parser, machine, memcpy_gbps, start_ray, table, write_json
+from bench_buffer import make_batches
 
-from _common import OUT_DIR, machine, table, write_json  # noqa: E402
-from bench_buffer import make_batches, start_ray  # noqa: E402
+
+# the by-reference path's legs: the driver's take round trip; from the driver's train_step call
+# until the learner runs it; the learner's resolve_batch; from its return to the driver's answer
+LEGS = ("take", "hand-over", "resolve", "answer")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = arg_parser(__doc__)
     p.add_argument("--response-len", type=int, default=8192, help="response tokens per row")
     p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens per row")
     p.add_argument("--groups", type=int, default=32, help="groups per batch (train.prompts_per_step); 8 rows each")
     p.add_argument("--repeats", type=int, default=15, help="batches moved per path")
     p.add_argument("--out", type=Path, default=OUT_DIR, help="output folder")
     return p.parse_args(argv)
-
-
-def memcpy_gbps(nbytes: int, reps: int) -> float:
-    import numpy as np
-
-    src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)  # fault the pages in
-    best = 0.0
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = max(best, nbytes / (time.perf_counter() - t0) / 1e9)
-    return best
 
 
 def run_paths(args) -> tuple[list[dict], int]:
@@ -76,11 +68,13 @@ def run_paths(args) -> tuple[list[dict], int]:
     @ray.remote(num_cpus=0)
     class LearnerStandIn:
         def train_step(self, batch, step: int) -> dict:
+            entered = time.time()
             t = resolve_batch(batch)
-            return {"rows": t.num_rows, "nbytes": t.nbytes, "held_at": time.time()}  # the learner holds the batch
+            return {"rows": t.num_rows, "nbytes": t.nbytes, "entered_at": entered,
+                    "held_at": time.time()}  # the learner holds the batch
 
     per_batch = 16  # groups in a request of make_batches (16 prompts x 8 samples)
-    batches = make_batches(max(1, args.groups // per_batch) * (args.repeats * 2 + 1), args.prompt_len,
+    batches = make_batches(max(1, args.groups // per_batch) * (args.repeats * 3 + 1), args.prompt_len,
                            args.response_len)
     buffer = ReplayBufferActor.options(num_cpus=0).remote(1, True)
     learner = LearnerStandIn.remote()
@@ -90,7 +84,8 @@ def run_paths(args) -> tuple[list[dict], int]:
 
     def by_reference():
         info = ray.get(buffer.take.remote(0, args.groups))
-        return ray.get(learner.train_step.remote(info["table"], 0))
+        taken = time.time()
+        return {**ray.get(learner.train_step.remote(info["table"], 0)), "taken_at": taken}
 
     def through_driver():
         info = ray.get(buffer.take.remote(0, args.groups))
@@ -104,12 +99,16 @@ def run_paths(args) -> tuple[list[dict], int]:
     out = []
     for name, fn in (("by_reference", by_reference), ("through_driver", through_driver), ("put_get", put_get)):
         fn()  # warm-up
-        times, held, nbytes = [], [], 0
+        times, held, legs, nbytes = [], [], [], 0
         for _ in range(args.repeats - 1):
             t0, w0 = time.perf_counter(), time.time()
             r = fn()
             times.append(time.perf_counter() - t0)
+            w3 = time.time()
             held.append(r["held_at"] - w0)  # same machine, same clock
+            if "taken_at" in r:  # where the time goes: take's round trip, hand-over, resolve, answer
+                legs.append((r["taken_at"] - w0, r["entered_at"] - r["taken_at"], r["held_at"] - r["entered_at"],
+                             w3 - r["held_at"]))
             assert r["rows"] == args.groups * 8, r
             nbytes = r["nbytes"]
         med, med_held = statistics.median(times), statistics.median(held)
@@ -118,12 +117,32 @@ def run_paths(args) -> tuple[list[dict], int]:
                     "held_ms": med_held * 1e3, "held_gbps": nbytes / med_held / 1e9})
         print(f"  {name:<15} {nbytes / 1e6:.1f} MB: median {med * 1e3:.1f} ms to the answer, "
               f"{med_held * 1e3:.1f} ms until the learner holds it", flush=True)
+        if legs:
+            out[-1]["legs_ms"] = {k: statistics.median(x[i] for x in legs) * 1e3 for i, k in enumerate(LEGS)}
+            print("  " + " " * 16 + ", ".join(f"{k} {v:.2f} ms" for k, v in out[-1]["legs_ms"].items()) + " (medians)",
+                  flush=True)
+
+    # pipelined: the next batch is taken and handed over while the learner still has the previous
+    # one (two train_step calls in flight), as a driver would overlap them with a training step
+    t0, in_flight, answers = time.perf_counter(), [], []
+    for _ in range(args.repeats):
+        info = ray.get(buffer.take.remote(0, args.groups))
+        in_flight.append(learner.train_step.remote(info["table"], 0))
+        if len(in_flight) == 2:
+            answers.append(ray.get(in_flight.pop(0)))
+    answers += ray.get(in_flight)
+    per = (time.perf_counter() - t0) / args.repeats
+    assert [a["rows"] for a in answers] == [args.groups * 8] * args.repeats, answers
+    out.append({"path": "pipelined", "rows": args.groups * 8, "mb": nbytes / 1e6, "median_ms": per * 1e3,
+                "gbps": nbytes / per / 1e9})
+    print(f"  {'pipelined':<15} {nbytes / 1e6:.1f} MB: {per * 1e3:.1f} ms a batch over a stream of "
+          f"{args.repeats}", flush=True)
     return out, nbytes
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    ray_tmp = start_ray()
+    ray_tmp = start_ray(num_cpus=2, object_store_memory=2 * 2**30)
     try:
         import numpy  # noqa: F401  (before the timing)
 
@@ -135,7 +154,9 @@ def main(argv=None) -> dict:
     mem = max(memcpy_gbps(nbytes, args.repeats), memcpy_gbps(nbytes, args.repeats))
     big = memcpy_gbps(512 * 2**20, 5)
     for r in results:
-        r["frac_memcpy"], r["held_frac_memcpy"] = r["gbps"] / mem, r["held_gbps"] / mem
+        r["frac_memcpy"] = r["gbps"] / mem
+        if "held_gbps" in r:
+            r["held_frac_memcpy"] = r["held_gbps"] / mem
         r["frac_memcpy_512mib"] = r["gbps"] / big
     print()
     print(table(results, [("path", "path", "{}"), ("rows", "rows", "{:d}"), ("mb", "MB", "{:.1f}"),

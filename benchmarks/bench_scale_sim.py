@@ -45,24 +45,17 @@ samples (mean / max), samples/s and simulated wall time of ``--steps`` learner s
 
 from __future__ import annotations
 
-import argparse
 import heapq
 import math
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import OUT_DIR, machine, plt, table, write_json  # noqa: E402
+from _common import OUT_DIR, arg_parser, machine, plt, table, write_json
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = arg_parser(__doc__)
     p.add_argument("--generators", default="8,16,32,64,128,256", help="numbers of generators to simulate")
     p.add_argument("--modes", default="0,1,2,4", help="max_staleness values")
     p.add_argument("--steps", type=int, default=20, help="learner steps per simulation")

@@ -35,12 +35,10 @@ held-out evaluation (same engine, rows, sampling and seeds as prorl-async's befo
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import secrets
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -49,16 +47,11 @@ from pathlib import Path
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import OUT_DIR, machine, plt, table, write_json  # noqa: E402
+from _common import OUT_DIR, ROOT, arg_parser, machine, plt, start_ray, table, write_json
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = arg_parser(__doc__)
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
                    help="tiny: built-in tiny-arith model + arithmetic task (bf16 autocast); smollm2: "
                         "SmolLM2-135M-Instruct + chat-arith through configs/smollm2_cpu.yaml (fp32, vLLM "
@@ -109,20 +102,12 @@ def load_avg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def start_ray():
-    import ray
-
-    tmp = tempfile.mkdtemp(prefix="prorl-bench-ray-", dir="/tmp")
-    ray.init(include_dashboard=False, _temp_dir=tmp, logging_level="WARNING",
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    return ray, tmp
-
-
 def run_prorl(args, work: Path) -> list[dict]:
     from actors.driver import run
     from prorl_async.config import load_config
 
-    ray, tmp = start_ray()
+    tmp = start_ray()
+    import ray
     out = []
     try:
         for s in [int(m) for m in args.modes.split(",")]:
@@ -167,7 +152,8 @@ def eval_folder(args, model_dir: str, work: Path) -> dict:
 
     cfg = load_config(args.config, common_overrides(args) + [f"model.path={model_dir}", f"run_dir={work / 'eval'}"])
     rows = load_rows(cfg.data.eval)
-    ray, tmp = start_ray()
+    tmp = start_ray()
+    import ray
     actors = None
     try:
         tracker = Tracker(str(work / "aim"), "bench", "trl-eval", {}, enabled=False)

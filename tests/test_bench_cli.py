@@ -1,7 +1,7 @@
 """``prorl-async bench`` through the real console script: the real weight-sync benchmark at its
-quick size (two processes, a gloo group, the 25M-parameter Llama's tensors), its ratio read back
-into the table and the summary JSON; and a script killed past ``--timeout`` reported as a
-failure with a non-zero exit status.
+quick size (two processes, a gloo group, the 135M-parameter Llama's tensors), its ratio read back
+into the table and the summary JSON; a script killed past ``--timeout`` reported as a failure
+with a non-zero exit status; and a job --quick leaves to the full mode named with its ratio.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import re
 
 from tests.conftest import ROOT, cli
 
-RATIO = "protocol s / bare broadcast s (llama-25M, float32)"
+RATIO = "protocol s / bare broadcast s (llama-135M, float32)"
 
 
 def test_bench_quick_weight_sync_prints_the_ratio_and_writes_json(tmp_path):
@@ -52,6 +52,19 @@ def test_bench_unknown_name_is_one_error_line(tmp_path):
         "error: --only: unknown benchmark 'learnr'; choose from weight_sync, learner, learner_packing, "
         "learner_smollm2, generation, buffer, rollout_transport, e2e"]
     assert not (tmp_path / "bench_summary.json").exists()
+
+
+def test_bench_quick_names_the_ratios_it_leaves_to_the_full_mode(tmp_path):
+    r = cli("bench", "--quick", "--only", "e2e,generation", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    line = next(x for x in r.stdout.splitlines() if x.startswith("e2e "))
+    assert "async / sync samples/s" in line and "full mode only" in line and ">= 1.5x" in line
+    assert "run without --quick" in line
+    gen = [x for x in r.stdout.splitlines() if x.startswith("generation ")]
+    assert len(gen) == 2 and all("full mode only" in x for x in gen), r.stdout
+    summary = json.loads((tmp_path / "bench_summary.json").read_text())
+    assert summary["failed"] == [] and all(j["rc"] is None and j["full_only"] for j in summary["jobs"])
+    assert not (tmp_path / "e2e.log").exists()  # nothing was run
 
 
 def test_bench_skips_a_script_the_checkout_lacks_with_the_reason(tmp_path):

@@ -32,9 +32,10 @@ def test_buffer_hands_out_the_objects_the_rows_already_live_in():
     info = ray.get(buf.take.remote(0, 4))
     batch = info["table"]
     assert isinstance(batch, BatchRefs) and batch.num_rows == 12 and info["taken"] == 4
-    # every part points into an object the driver put: nothing was copied into a new object
-    assert {r.hex() for r, _, _ in batch.parts} == {r.hex() for r in refs}
-    assert [(o, n) for _, o, n in batch.parts] == [(0, 3), (3, 3), (6, 3), (0, 3)]
+    # every part points into an object the driver put: nothing was copied into a new object; the
+    # three groups of the first request are one run of its rows, so one part, then the second's first
+    assert [r.hex() for r, _, _ in batch.parts] == [refs[0].hex(), refs[1].hex()]
+    assert [(o, n) for _, o, n in batch.parts] == [(0, 9), (0, 3)]
 
     @ray.remote
     def learner_side(b):  # the learner's resolution, in another process
@@ -48,6 +49,23 @@ def test_buffer_hands_out_the_objects_the_rows_already_live_in():
     expected, _ = pure.take(0, 4)
     assert ids == expected.column("sample_id").to_pylist()
     assert responses == expected.column("response_ids").to_pylist()
+
+
+def test_groups_separated_by_a_dropped_group_are_two_parts_of_one_object():
+    import ray
+
+    from actors.learner import resolve_batch
+    from actors.replay_buffer import ReplayBufferActor
+
+    mixed = [(1, True), (0, True), (1, True)]
+    req = request("r", 0, {"a": mixed, "all_right": [(1, True)] * 3, "b": mixed, "c": mixed}, tokens=8)
+    ref = ray.put(req)
+    buf = ReplayBufferActor.remote(1, True)
+    assert ray.get(buf.put.remote(ref, [ref]))["kept"] == 3  # dynamic sampling drops rows 3-5
+    batch = ray.get(buf.take.remote(0, 3))["table"]
+    assert [(r.hex(), o, n) for r, o, n in batch.parts] == [(ref.hex(), 0, 3), (ref.hex(), 6, 6)]
+    ids = ray.get(ray.remote(lambda b: resolve_batch(b).column("sample_id").to_pylist()).remote(batch))
+    assert ids == [f"r-{p}-{j}" for p in "abc" for j in range(3)]
 
 
 def test_groups_restored_from_a_checkpoint_are_put_once():
