@@ -174,8 +174,8 @@ def main(argv=None) -> dict:
 
     print()
     print(table(modes_avg, [
-        ("max_staleness", "stale", "{:d}"), ("samples_s", "samples/s", "{:.0f}"),
-        ("gen_samples_s", "gen samples/s", "{:.0f}"), ("train_tok_s", "train tok/s", "{:.0f}"),
+        ("max_staleness", "stale", "{:d}"), ("samples_s", "samples/s", "{:.3g}"),
+        ("gen_samples_s", "gen samples/s", "{:.3g}"), ("train_tok_s", "train tok/s", "{:.0f}"),
         ("speedup_samples_s", "speed-up", "{:.2f}x"), ("loop_no_eval_s", "loop s", "{:.1f}"),
         ("generate_s", "gen s", "{:.1f}"), ("grade_s", "grade s", "{:.1f}"), ("train_s", "train s", "{:.1f}"),
         ("sync_s", "sync s", "{:.2f}"), ("eval_s", "eval s", "{:.1f}"), ("gen_engine_tok_s", "engine tok/s", "{:.0f}"),
