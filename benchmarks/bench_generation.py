@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+START_ENV = dict(os.environ)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import OUT_DIR, machine, plt, table, write_json  # noqa: E402
 
@@ -144,7 +145,9 @@ def in_run(args, model_tok_s: float) -> dict:
     exe = Path(sys.executable).with_name("prorl-async")
     cmd = [str(exe), "train", "--config", str(root / "configs" / "smollm2_cpu.yaml"), *overrides]
     t0 = time.perf_counter()
-    res = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=3600)
+    # the environment this script started with: vLLM's CPU platform rewrites os.environ of the
+    # process that creates an engine (LD_PRELOAD, VLLM_ENABLE_V1_MULTIPROCESSING, ...)
+    res = subprocess.run(cmd, cwd=root, env=START_ENV, capture_output=True, text=True, timeout=3600)
     if res.returncode != 0:
         raise RuntimeError(f"the training run failed ({' '.join(cmd)}):\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
     hist = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines() if line]

