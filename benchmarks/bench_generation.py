@@ -13,11 +13,13 @@ prompts through its chat template (``smollm2``; needs ``bash setup.sh smollm2``)
 * ``--contend``: each engine is timed again while a one-thread "learner" (a process doing
   1024x1024 fp32 matmuls, as the learner actor's one torch thread would) runs beside it; reports
   the engine's tok/s and the learner's matmul rate as fractions of each alone, and the CPU
-  seconds per wall second of the engine's process tree (``/proc``) while generating.
+  seconds per wall second of the engine's processes (``/proc``) while generating. Also two such
+  learners at once (``learner_pair_frac``): whether the cores compute independently at all.
 * ``--in-run``: then a short real training run (``prorl-async train --config
   configs/smollm2_cpu.yaml``, the same prompts-per-request, n, max tokens and temperature) and its
   ``perf/gen_engine_tok_s`` (response tokens per second of the generator's generate calls, the
-  first step's warm-up left out) over the inline engine's tok/s alone = ``in_run_tok_s_frac``.
+  first step's warm-up left out) over the inline engine's tok/s alone = ``in_run_tok_s_frac``;
+  ``--run-cores auto,process`` repeats the run per ``rollout.vllm_engine_core``.
 
 vLLM is started once per model and mode and a warm-up request precedes the timed ones (best of
 ``--repeats``). Writes benchmarks/out/bench_generation.{json,png} and prints a table.
@@ -109,6 +111,13 @@ def learner_alone(seconds: float = 8.0) -> float:
     return ln.rate()
 
 
+def learner_pair(seconds: float = 8.0) -> float:
+    """Mean rate of two one-thread learners at once: do the cores compute independently?"""
+    with Learner() as a, Learner() as b:
+        time.sleep(seconds)
+    return 0.5 * (a.rate() + b.rate())
+
+
 def run_engine(engine, prompt_ids, spec, repeats: int) -> dict:
     engine.generate(prompt_ids[:2], spec)  # warm-up
     best, toks, cpu = float("inf"), 0, 0.0
@@ -124,23 +133,25 @@ def run_engine(engine, prompt_ids, spec, repeats: int) -> dict:
 def contended(engine, prompt_ids, spec, alone: dict, learner_rate: float) -> dict:
     """The engine generating while the one-thread learner computes beside it."""
     with Learner() as ln:
-        c0, t0 = tree_cpu_s(os.getpid()), time.perf_counter()
+        c0, l0, t0 = tree_cpu_s(os.getpid()), tree_cpu_s(ln.proc.pid), time.perf_counter()
         out = engine.generate(prompt_ids, spec)
         dt = time.perf_counter() - t0
-        cpu = tree_cpu_s(os.getpid()) - c0
+        cpu = tree_cpu_s(os.getpid()) - c0 - (tree_cpu_s(ln.proc.pid) - l0)  # the engine's processes only
     toks = sum(len(c.token_ids) for g in out for c in g)
     return {"contended_tok_s": toks / dt, "contended_tok_frac": toks / dt / alone["tok_s"],
             "contended_learner_frac": ln.rate() / learner_rate, "contended_cpu_per_wall": cpu / dt}
 
 
-def in_run(args, model_tok_s: float) -> dict:
-    """A short real training run on the SmolLM2 config; its generation tok/s vs ``model_tok_s``."""
+def in_run(args, model_tok_s: float, core: str = "auto") -> dict:
+    """A short real training run on the SmolLM2 config (``rollout.vllm_engine_core=core``); its
+    generation tok/s vs ``model_tok_s``."""
     root = Path(__file__).resolve().parents[1]
     run_dir = Path(tempfile.mkdtemp(prefix="bench-gen-run-"))
     overrides = [f"train.total_steps={args.run_steps}", f"rollout.n={args.n}", f"rollout.max_new_tokens={args.max_new_tokens}",
                  f"rollout.prompts_per_request={args.prompts}", f"train.prompts_per_step={args.prompts}",
                  f"rollout.temperature={args.temperature}", "train.eval_interval=0", "train.eval_samples=1",
                  "data.eval=builtin:chat-arith?n=4&seed=2&split=eval", f"run_dir={run_dir}", "tracking.enabled=false",
+                 f"rollout.vllm_engine_core={core}",
                  *args.run_override]
     exe = Path(sys.executable).with_name("prorl-async")
     cmd = [str(exe), "train", "--config", str(root / "configs" / "smollm2_cpu.yaml"), *overrides]
@@ -155,7 +166,7 @@ def in_run(args, model_tok_s: float) -> dict:
     tok_s = sorted(h["perf/gen_engine_tok_s"] for h in steps)
     median = tok_s[len(tok_s) // 2] if len(tok_s) % 2 else 0.5 * (tok_s[len(tok_s) // 2 - 1] + tok_s[len(tok_s) // 2])
     last = hist[-1]
-    return {"command": " ".join(cmd[1:]), "wall_s": time.perf_counter() - t0, "steps": len(hist),
+    return {"vllm_engine_core": core, "command": " ".join(cmd[1:]), "wall_s": time.perf_counter() - t0, "steps": len(hist),
             "gen_engine_tok_s_per_step": [h["perf/gen_engine_tok_s"] for h in hist], "gen_engine_tok_s": median,
             "step_s": [h["perf/step_s"] for h in hist], "train_s": last.get("time/train_s"),
             "generate_s": last.get("time/generate_s"), "learner_idle": last.get("async/learner_idle_frac"),
@@ -189,9 +200,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the transformers and inline vLLM engines")
     ap.add_argument("--vllm-core", default="process", help="inline and/or process (comma-separated)")
+    ap.add_argument("--skip-hf", action="store_true", help="vLLM only (no transformers rows)")
     ap.add_argument("--contend", action="store_true", help="also time each engine beside a one-thread learner")
     ap.add_argument("--in-run", action="store_true", help="then a short SmolLM2 training run (needs --models smollm2)")
     ap.add_argument("--run-steps", type=int, default=4, help="learner steps of the --in-run training run")
+    ap.add_argument("--run-cores", default="auto", help="rollout.vllm_engine_core of the --in-run runs, in order "
+                    "(e.g. auto,process,process,auto: interleaved repeats); the first auto one gives in_run_tok_s_frac")
     ap.add_argument("--run-override", action="append", default=[], help="extra override of the --in-run run")
     args = ap.parse_args()
     cores = [c for c in args.vllm_core.split(",") if c]
@@ -205,23 +219,26 @@ def main() -> None:
     from prorl_async.engines.hf import HFEngine
     from prorl_async.engines.prompts import encode_prompt
     from prorl_async.engines.vllm import VLLMEngine
+    from prorl_async.models import load_model
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-gen-"))
     rows, payload = [], {}
     learner_rate = learner_alone() if args.contend else None
     if learner_rate:
-        print(f"  one-thread learner alone: {learner_rate:.1f} matmuls/s", flush=True)
+        payload["learner_pair_frac"] = learner_pair() / learner_rate
+        print(f"  one-thread learner alone: {learner_rate:.1f} matmuls/s; two at once: "
+              f"{payload['learner_pair_frac']:.0%} of that each", flush=True)
     for name in args.models.split(","):
         path, task, max_new = load(name, tmp, args.max_new_tokens)
         s = SamplingSpec(n=args.n, temperature=args.temperature, max_new_tokens=max_new)
         params = None
-        for kind in ("hf", *(f"vllm-{c}" for c in cores)):
+        for kind in (*(() if args.skip_hf else ("hf",)), *(f"vllm-{c}" for c in cores)):
             t0 = time.perf_counter()
             eng = (HFEngine(path) if kind == "hf" else
                    VLLMEngine(path, dtype="float32", seed=0, in_process=kind == "vllm-inline", kv_cache_gb=0.5))
             start = time.perf_counter() - t0
-            if params is None and kind == "hf":
-                params = sum(p.numel() for p in eng.model.parameters())
+            if params is None:
+                params = sum(p.numel() for p in (eng.model if kind == "hf" else load_model(path, "float32")).parameters())
             prompts = [encode_prompt(eng.tokenizer, r["prompt"], r["id"])
                        for r in task.generate(args.prompts, seed=5, split="eval")]
             r = run_engine(eng, prompts, s, args.repeats)
@@ -237,12 +254,17 @@ def main() -> None:
             del eng
     if args.in_run:
         alone = next(r for r in rows if r["model"] == "smollm2" and r["engine"] == "vllm" and r["core"] == "inline")
-        run = in_run(args, alone["tok_s"])
-        payload["in_run"] = run
-        payload["in_run_tok_s_frac"] = run["in_run_tok_s_frac"]
-        print(f"  in a training run: {run['gen_engine_tok_s']:.0f} tok/s (median of steps 2..; per step "
-              f"{[round(x) for x in run['gen_engine_tok_s_per_step']]}) = {run['in_run_tok_s_frac']:.0%} of "
-              f"{alone['tok_s']:.0f} alone", flush=True)
+        payload["in_runs"] = []
+        for core in args.run_cores.split(","):
+            run = in_run(args, alone["tok_s"], core)
+            payload["in_runs"].append(run)
+            if core == "auto" and "in_run_tok_s_frac" not in payload:
+                payload["in_run"], payload["in_run_tok_s_frac"] = run, run["in_run_tok_s_frac"]
+            print(f"  in a training run (vllm_engine_core={core}): {run['gen_engine_tok_s']:.0f} tok/s (median of "
+                  f"steps 2..; per step {[round(x) for x in run['gen_engine_tok_s_per_step']]}) = "
+                  f"{run['in_run_tok_s_frac']:.0%} of {alone['tok_s']:.0f} alone; run {run['wall_s']:.0f} s, step s "
+                  f"{[round(x, 1) for x in run['step_s']]}, generate {run['generate_s']:.0f} s, train "
+                  f"{run['train_s']:.0f} s", flush=True)
     cols = [("model", "model", "{}"), ("params_m", "params (M)", "{:.1f}"), ("engine", "engine", "{}"),
             ("core", "core", "{}"), ("max_new", "max new", "{}"), ("tokens", "tokens", "{}"),
             ("seconds", "s", "{:.2f}"), ("tok_s", "tok/s", "{:.0f}"), ("cpu_per_wall", "CPU s/s", "{:.2f}"),
