@@ -21,6 +21,7 @@ import torch
 from prorl_async.data.schema import rollout_batch
 from prorl_async.engines import SamplingSpec, make_engine
 from prorl_async.engines.prompts import encode_prompt
+from prorl_async.engines.vllm import inline_engine_core
 
 
 @ray.remote(max_concurrency=3)  # a request, a weight receive, and a group re-formation
@@ -29,11 +30,13 @@ class GeneratorActor:
         torch.set_num_threads(cfg.train.num_threads)
         self.cfg, self.index = cfg, index
         r = cfg.rollout
+        on_gpu = r.generator_num_gpus > 0
+        extra = {"in_process": inline_engine_core(r.vllm_engine_core, on_gpu)} if r.engine == "vllm" else {}
         self.engine = make_engine(r.engine, model_path, dtype=cfg.model.dtype, seed=r.seed * 7919 + index,
                                   tensor_parallel_size=r.tensor_parallel_size,
                                   inflight_weight_updates=r.inflight_weight_updates,
                                   gpu_memory_utilization=r.gpu_memory_utilization,
-                                  device="cuda" if r.generator_num_gpus > 0 else "cpu")  # the GPU Ray reserved
+                                  device="cuda" if on_gpu else "cpu", **extra)  # the GPU Ray reserved
         self.tokenizer = self.engine.tokenizer
         self._requests = 0
 

@@ -34,6 +34,7 @@ PHASES = ("generate", "grade", "train", "sync", "eval")
 
 def parse_args(argv=None):
     p = arg_parser(__doc__)
+    p.add_argument("--config", default=None, help="YAML config every mode starts from (default: the built-in tiny one)")
     p.add_argument("--steps", type=int, default=30, help="learner steps per mode (train.total_steps)")
     p.add_argument("--modes", default="0,1,2", help="comma-separated train.max_staleness values")
     p.add_argument("--eval-interval", type=int, default=5, help="train.eval_interval")
@@ -52,7 +53,7 @@ def run_mode(staleness: int, args, work: Path, tag: str) -> dict:
     from prorl_async.config import load_config
 
     run_dir = work / f"s{staleness}-{tag}"
-    cfg = load_config(None, [f"train.total_steps={args.steps}", f"train.max_staleness={staleness}",
+    cfg = load_config(args.config, [f"train.total_steps={args.steps}", f"train.max_staleness={staleness}",
                              f"train.eval_interval={args.eval_interval}", f"run_dir={run_dir}",
                              f"tracking.aim_repo={work / 'aim'}", f"model.cache_dir={args.cache_dir}",
                              *args.override])
@@ -84,6 +85,9 @@ def run_mode(staleness: int, args, work: Path, tag: str) -> dict:
         "staleness_mean": sum(h["async/trained_staleness_mean"] for h in hist) / len(hist),
         "staleness_max": max(h["async/trained_staleness_max"] for h in hist),
         "val_before": summary["before"]["val/pass@1"], "val_after": summary["after"]["val/pass@1"],
+        # the generator's own speed while generating (steps 2..: step 1 includes its warm-up)
+        "gen_engine_tok_s": sum(h.get("perf/gen_engine_tok_s", 0.0) for h in hist[1:] or hist) / len(hist[1:] or hist),
+        "step_s": [h["perf/step_s"] for h in hist],
         "curve": curve,
     }
     for ph in PHASES:
@@ -150,11 +154,11 @@ def main(argv=None) -> dict:
 
     print()
     print(table(modes_avg, [
-        ("max_staleness", "stale", "{:d}"), ("samples_s", "samples/s", "{:.0f}"),
-        ("gen_samples_s", "gen samples/s", "{:.0f}"), ("train_tok_s", "train tok/s", "{:.0f}"),
+        ("max_staleness", "stale", "{:d}"), ("samples_s", "samples/s", "{:.3g}"),
+        ("gen_samples_s", "gen samples/s", "{:.3g}"), ("train_tok_s", "train tok/s", "{:.0f}"),
         ("speedup_samples_s", "speed-up", "{:.2f}x"), ("loop_no_eval_s", "loop s", "{:.1f}"),
         ("generate_s", "gen s", "{:.1f}"), ("grade_s", "grade s", "{:.1f}"), ("train_s", "train s", "{:.1f}"),
-        ("sync_s", "sync s", "{:.2f}"), ("eval_s", "eval s", "{:.1f}"),
+        ("sync_s", "sync s", "{:.2f}"), ("eval_s", "eval s", "{:.1f}"), ("gen_engine_tok_s", "engine tok/s", "{:.0f}"),
         ("learner_idle", "learner idle", "{:.2f}"), ("generator_idle", "gen idle", "{:.2f}"),
         ("grader_idle", "grader idle", "{:.2f}"),
         ("staleness_mean", "stale mean", "{:.2f}"), ("staleness_max", "stale max", "{:.0f}"),
@@ -167,13 +171,13 @@ def main(argv=None) -> dict:
     payload = {"benchmark": "e2e", "machine": machine(), "args": {**vars(args), "out": str(args.out)},
                "target_acc": target, "modes": modes_avg, "runs": results}
     path = write_json("bench_e2e", payload, args.out)
-    plot(modes_avg, target, args.out / "bench_e2e.png")
+    plot(modes_avg, target, args.out / "bench_e2e.png", args)
     print(f"wrote {path} and {args.out / 'bench_e2e.png'}")
     shutil.rmtree(work, ignore_errors=True)
     return payload
 
 
-def plot(modes: list[dict], target: float, path: Path) -> None:
+def plot(modes: list[dict], target: float, path: Path, args) -> None:
     pyplot = plt()
     fig, ax = pyplot.subplots(1, 3, figsize=(16, 4.5))
     for m in modes:
@@ -200,7 +204,8 @@ def plot(modes: list[dict], target: float, path: Path) -> None:
     ax[2].axhline(1.0, color="gray", lw=0.8)
     ax[2].set(ylabel="relative to max_staleness=0", title="end-to-end speed-up")
     ax[2].legend()
-    fig.suptitle(f"prorl-async end to end, {machine()['cpu']} ({os.cpu_count()} cores), built-in tiny model")
+    fig.suptitle(f"prorl-async end to end, {machine()['cpu']} ({os.cpu_count()} cores), "
+                 f"{Path(args.config).name if args.config else 'built-in tiny model'}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

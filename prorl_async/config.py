@@ -73,6 +73,9 @@ class RolloutConfig:
     tensor_parallel_size: int = _f(1, "vLLM tensor-parallel GPUs per generator (each TP rank joins the weight-sync group)")
     inflight_weight_updates: bool = _f(False, "vLLM: apply new weights mid-request (pause, update, resume) instead of at the next request")
     gpu_memory_utilization: float = _f(0.85, "vLLM on GPU: fraction of GPU memory for weights and KV cache")
+    vllm_engine_core: str = _f("auto", "vLLM engine core: inline (steps in the generator's process; no second process "
+                                       "polling a core while the model computes), process (vLLM's own process) or auto "
+                                       "(inline on CPU, process on GPU)")
 
 
 @dataclass(frozen=True)
@@ -322,6 +325,8 @@ def validate(cfg: Config) -> None:
     _require(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
     _require(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     _require(r.engine in ("hf", "vllm"), "rollout.engine", f"must be hf or vllm, got {r.engine!r}")
+    _require(r.vllm_engine_core in ("auto", "inline", "process"), "rollout.vllm_engine_core",
+             f"must be auto, inline or process, got {r.vllm_engine_core!r}")
     _require(t.mini_batches >= 1 and t.prompts_per_step % t.mini_batches == 0, "train.mini_batches",
              f"must divide train.prompts_per_step={t.prompts_per_step} (got {t.mini_batches}); pick a divisor")
     _require(t.micro_batch_size >= 1, "train.micro_batch_size", f"must be >= 1, got {t.micro_batch_size}")

@@ -26,7 +26,7 @@ def is_correct(reward):
 
 def rollout_metrics(window: dict, dt: float) -> dict[str, float]:
     """Rollout metrics of one learner step from the sums ``window`` gathered since the last one
-    (``samples``, ``valid``, ``correct``, ``reward_sum``, ``response_tokens``), over ``dt`` seconds."""
+    (``samples``, ``valid``, ``correct``, ``reward_sum``, ``response_tokens``, ``gen_time_s``), over ``dt`` seconds."""
     w = defaultdict(float, window)
     dt = max(dt, 1e-9)
     valid = max(w["valid"], 1.0)
@@ -36,6 +36,9 @@ def rollout_metrics(window: dict, dt: float) -> dict[str, float]:
         "reward/invalid": w["samples"] - w["valid"],
         "len/generated_mean": w["response_tokens"] / max(w["samples"], 1.0),
         "perf/gen_tok_s": w["response_tokens"] / dt,
+        # per second the engines spent generating (each request's generate() wall time): an
+        # engine's own speed inside the run, comparable with the engine measured alone
+        "perf/gen_engine_tok_s": w["response_tokens"] / max(w["gen_time_s"], 1e-9),
         "perf/samples_s": w["samples"] / dt,
         "perf/step_s": dt,
     }

@@ -25,6 +25,7 @@ def test_defaults_and_overrides(tmp_path):
     ("train.mini_batches=3", "train.mini_batches: must divide train.prompts_per_step=64"),
     ("train.micro_batch_size=100", "train.micro_batch_size: must divide the mini-batch of 128"),
     ("algo.is_mode=foo", "algo.is_mode: must be tis, icepop or none"),
+    ("rollout.vllm_engine_core=thread", "rollout.vllm_engine_core: must be auto, inline or process"),
     ("rollout", "not of the form section.field=value"),
 ])
 def test_config_errors_name_the_field(override, needle, capsys):

@@ -15,13 +15,14 @@ def test_is_correct_is_one_rule_for_floats_arrays_and_tensors():
 
 
 def test_rollout_metrics_from_window_sums():
-    w = {"samples": 8.0, "valid": 6.0, "correct": 3.0, "reward_sum": 4.5, "response_tokens": 80.0}
+    w = {"samples": 8.0, "valid": 6.0, "correct": 3.0, "reward_sum": 4.5, "response_tokens": 80.0, "gen_time_s": 0.5}
     m = rollout_metrics(w, dt=2.0)
     assert m["reward/mean"] == 0.75 and m["reward/accuracy"] == 0.5 and m["reward/invalid"] == 2.0
     assert m["len/generated_mean"] == 10.0 and m["perf/gen_tok_s"] == 40.0 and m["perf/samples_s"] == 4.0
+    assert m["perf/gen_engine_tok_s"] == 160.0  # 80 tokens in 0.5 s of engine time (the step took 2 s)
     assert m["perf/step_s"] == 2.0
     empty = rollout_metrics({}, dt=0.0)  # no samples yet: zeros, not a division by zero
-    assert empty["reward/mean"] == 0.0 and empty["perf/step_s"] == 1e-9
+    assert empty["reward/mean"] == 0.0 and empty["perf/step_s"] == 1e-9 and empty["perf/gen_engine_tok_s"] == 0.0
 
 
 def test_domain_metrics():

