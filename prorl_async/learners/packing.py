@@ -179,8 +179,8 @@ def varlen_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value:
     An HF attention function (``AttentionInterface``) for packed input on hardware without
     flash-attention's varlen kernel (CPU): the sequences of ``[1, heads, N, d]`` q/k/v, cut at
     ``cu_seq_lens_q`` (the boundaries flash-attention's varlen path takes), are gathered into a
-    right-padded ``[S, heads, L, d]`` batch and go through one causal
-    ``scaled_dot_product_attention``. Right padding needs no mask: under the causal mask a real
+    right-padded ``[S, heads, L, d]`` batch and go through one causal attention
+    (:func:`_causal_attention`: sdpa, or on CPU in bf16 two matmuls and an fp32 softmax). Right padding needs no mask: under the causal mask a real
     query at position ``i`` sees keys ``0..i`` of its own sequence only, never a pad; pad
     queries' outputs are dropped, so nothing (values or gradients) flows from the pads. Costs
     about ``sum L_i^2`` like varlen flash attention (a block-diagonal ``N x N`` mask through
