@@ -58,6 +58,11 @@ def parse_args(argv=None):
                         "TorchLearner.train_step on builtin:smollm2-135m-instruct, packing off vs on "
                         "(see bench_smollm2)")
     p.add_argument("--profile", action="store_true", help="smollm2 mode: print the top ops of one step per config")
+    p.add_argument("--packing", default="both", choices=["off", "on", "both"],
+                   help="smollm2 mode: which learner paths to time (train.micro_batch_tokens 0 and/or > 0)")
+    p.add_argument("--prompts", default="random", choices=["random", "chat-arith"],
+                   help="smollm2 mode: random prompt tokens of --prompt-len, or builtin:chat-arith train prompts "
+                        "through the model's chat template (the issue-11 batch; --prompt-len is then ignored)")
     p.add_argument("--micro-batch-tokens", type=int, default=1024, help="packing mode: tokens per micro-batch")
     p.add_argument("--chunk-tokens", type=int, default=512, help="packing mode: tokens per LM-head chunk")
     return p.parse_args(argv)
@@ -163,8 +168,10 @@ def bench_one(model_dir: str, precision: str, args, table_) -> dict:
 SMOLLM2_135M = (576, 30, 1536, 9, 3, 49152)
 
 
-def variable_length_table(rows: int, plen: int, rlen: int, vocab: int, seed: int = 0):
-    """Rollout rows with prompts of ``plen`` tokens and responses of 8..``rlen`` tokens (uniform)."""
+def variable_length_table(rows: int, plen: int, rlen: int, vocab: int, seed: int = 0, prompts=None, n: int = 8):
+    """Rollout rows with prompts of ``plen`` tokens and responses of 8..``rlen`` tokens (uniform).
+
+    ``prompts``: token-id lists to use instead, one per group of ``n`` rows (cycled)."""
     import random
 
     import pyarrow as pa
@@ -173,8 +180,10 @@ def variable_length_table(rows: int, plen: int, rlen: int, vocab: int, seed: int
 
     rng = random.Random(seed)
     resp = [[rng.randrange(vocab) for _ in range(rng.randint(8, rlen))] for _ in range(rows)]
-    cols = {"sample_id": [f"s{i}" for i in range(rows)], "prompt_id": [f"p{i // 8}" for i in range(rows)],
-            "domain": ["math"] * rows, "prompt_ids": [[rng.randrange(vocab) for _ in range(plen)] for _ in range(rows)],
+    prompt_ids = ([list(prompts[(i // n) % len(prompts)]) for i in range(rows)] if prompts else
+                  [[rng.randrange(vocab) for _ in range(plen)] for _ in range(rows)])
+    cols = {"sample_id": [f"s{i}" for i in range(rows)], "prompt_id": [f"p{i // n}" for i in range(rows)],
+            "domain": ["math"] * rows, "prompt_ids": prompt_ids,
             "response_ids": resp, "behavior_logprobs": [[-1.0] * len(r) for r in resp],
             "policy_version": [0] * rows, "finish_reason": ["stop"] * rows, "raw_reward": [1.0] * rows,
             "reward_valid": [True] * rows, "response_text": [""] * rows,
@@ -323,13 +332,24 @@ def bench_smollm2(args) -> dict:
     threads = torch.get_num_threads()
     model_dir = str(build_smollm2(ModelConfig(), log=print))
     vocab = SMOLLM2_135M[-1]
-    table_ = variable_length_table(args.rows, args.prompt_len, args.response_len, vocab)
+    prompts = None
+    if args.prompts == "chat-arith":  # the issue-11 batch: chat-arith prompts through the chat template
+        from transformers import AutoTokenizer
+
+        from prorl_async.data.chat_arith import generate
+        from prorl_async.engines.prompts import encode_prompt
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        prompts = [encode_prompt(tok, r["prompt"], r["id"]) for r in generate(max(1, args.rows // 4), seed=1)]
+    table_ = variable_length_table(args.rows, args.prompt_len, args.response_len, vocab, prompts=prompts, n=4)
+    plens = [len(p) for p in table_.column("prompt_ids").to_pylist()]
     real = sum(len(p) + len(r) for p, r in zip(table_.column("prompt_ids").to_pylist(),
                                                table_.column("response_ids").to_pylist()))
     peaks = {"fp32": matmul_peak(args.peak_n, torch.float32), "bf16": matmul_peak(args.peak_n, torch.bfloat16)}
     print(f"matmul peak ({threads} threads, n={args.peak_n}): fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, "
-          f"bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s; batch {args.rows} rows, {real} real tokens", flush=True)
-    configs = [(prec, packing) for prec in args.precisions.split(",") for packing in (False, True)]
+          f"bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s; batch {args.rows} rows ({args.prompts} prompts of "
+          f"{min(plens)}-{max(plens)} tokens), {real} real tokens", flush=True)
+    packings = {"off": (False,), "on": (True,), "both": (False, True)}[args.packing]
+    configs = [(prec, packing) for prec in args.precisions.split(",") for packing in packings]
     learners, times, params = {}, {c: [] for c in configs}, 0
     rows = []
     for prec in args.precisions.split(","):  # one precision at a time: two SmolLM2 learners fit in memory
@@ -359,12 +379,13 @@ def bench_smollm2(args) -> dict:
             for c in pair:
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
                     learners[c].train_step(table_)
-                print(f"--- profile {prec} packing={'on' if c[1] else 'off'} (top 15 by self CPU time)")
-                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
+                print(f"--- profile {prec} packing={'on' if c[1] else 'off'} (top 25 by self CPU time)")
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
         for c in pair:
-            dt = min(times[c])
+            dt = min(times[c]) if times[c] else float("nan")  # --steps 0: a warm-up (and a profile) only
             rows.append({"precision": prec, "packing": "on" if c[1] else "off", "params_m": params / 1e6,
-                         "tokens": real, "step_s": dt, "step_s_median": statistics.median(times[c]),
+                         "tokens": real, "step_s": dt,
+                         "step_s_median": statistics.median(times[c]) if times[c] else float("nan"),
                          "tok_s": real / dt, "gflops_8nt": 8 * params * real / dt / 1e9})
             del learners[c]
     for k, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):

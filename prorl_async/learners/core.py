@@ -276,8 +276,8 @@ def packed_token_logprobs(model, b: dict, rows, temperature: float, device, auto
     sequence boundaries go to the attention function as flash-attention's varlen kwargs
     (``cu_seq_lens_q`` ...): flash attention (GPU) uses its varlen kernels; any other
     implementation is swapped for :func:`~prorl_async.learners.packing.varlen_sdpa_attention`
-    for the call (one causal sdpa per sequence: ``sum L_i^2`` work, no ``N x N`` mask, the
-    CPU choice), so attention never crosses sequences.
+    for the call (the sequences as one right-padded batch of causal attention: about
+    ``sum L_i^2`` work, no ``N x N`` mask, the CPU choice), so attention never crosses sequences.
     The decoder body runs on the packed row; the LM head and log-softmax run on the response
     positions only, ``chunk_tokens`` at a time (:func:`prorl_async.algo.token_logprobs.token_logprobs`),
     so no ``tokens x vocab`` fp32 tensor exists. Under ZeRO-3 (the head's weight is partitioned
@@ -292,7 +292,7 @@ def packed_token_logprobs(model, b: dict, rows, temperature: float, device, auto
     head = hf.get_output_embeddings()
     ids, pos = mb.input_ids.to(device), mb.position_ids.to(device)
     impl = hf.config._attn_implementation or "sdpa"
-    # flash attention reads the boundaries itself (varlen kernels); anything else runs one sdpa per sequence
+    # flash attention reads the boundaries itself (varlen kernels); anything else: varlen_sdpa_attention
     varlen = impl if impl.startswith("flash_attention") else register_varlen_sdpa()
     with autocast_ctx(device, autocast), _attn_implementation(hf.config, varlen):
         hidden = body(input_ids=ids, position_ids=pos, use_cache=False,

@@ -174,27 +174,90 @@ VARLEN_SDPA = "prorl_varlen_sdpa"
 
 def varlen_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                           dropout: float = 0.0, scaling: Optional[float] = None, cu_seq_lens_q=None, **kwargs):
-    """Causal attention of a packed row, one ``scaled_dot_product_attention`` per sequence.
+    """Causal attention of a packed row, each sequence attending to itself only.
 
     An HF attention function (``AttentionInterface``) for packed input on hardware without
-    flash-attention's varlen kernel (CPU): the sequences of ``[1, heads, N, d]`` q/k/v are cut
-    at ``cu_seq_lens_q`` (the same boundaries flash-attention's varlen path takes) and each
-    attends causally to itself only. Costs ``sum L_i^2`` like varlen flash attention, where a
-    block-diagonal ``N x N`` mask through sdpa costs ``N^2`` (and, on sdpa's math path, an
-    ``N x N`` score tensor per head). Without ``cu_seq_lens_q`` it is plain causal sdpa.
+    flash-attention's varlen kernel (CPU): the sequences of ``[1, heads, N, d]`` q/k/v, cut at
+    ``cu_seq_lens_q`` (the boundaries flash-attention's varlen path takes), are gathered into a
+    right-padded ``[S, heads, L, d]`` batch and go through one causal attention
+    (:func:`_causal_attention`: sdpa, or on CPU in bf16 two matmuls and an fp32 softmax). Right padding needs no mask: under the causal mask a real
+    query at position ``i`` sees keys ``0..i`` of its own sequence only, never a pad; pad
+    queries' outputs are dropped, so nothing (values or gradients) flows from the pads. Costs
+    about ``sum L_i^2`` like varlen flash attention (a block-diagonal ``N x N`` mask through
+    sdpa costs ``N^2``), in one kernel call instead of one per sequence (whose slicing made the
+    backward zero-fill and add a full ``[1, heads, N, d]`` gradient per sequence). Sequences
+    are bucketed (longest first) so that padding at most doubles a bucket's positions.
+    Without ``cu_seq_lens_q`` it is plain causal sdpa.
     Returns ``([1, N, heads, d], None)`` as transformers' sdpa function does."""
     if attention_mask is not None:
         raise ValueError(f"{VARLEN_SDPA}: packed input takes no attention_mask (sequences are cut at cu_seq_lens_q)")
     groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    bounds = [0, query.shape[2]] if cu_seq_lens_q is None else [int(x) for x in cu_seq_lens_q.tolist()]
     p = dropout if module.training else 0.0
-    outs = [torch.nn.functional.scaled_dot_product_attention(
-        query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=p, is_causal=True, scale=scaling)
-        for s, e in zip(bounds[:-1], bounds[1:])]
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-    return out.transpose(1, 2).contiguous(), None
+    n = query.shape[2]
+    bounds = np.array([0, n] if cu_seq_lens_q is None else cu_seq_lens_q.tolist(), dtype=np.int64)
+    starts, lens = bounds[:-1], np.diff(bounds)
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, d]
+    outs, order = [], []
+    for seqs in _length_buckets(lens):
+        longest = int(lens[seqs].max())
+        ar = np.arange(longest)
+        # [S, L] packed position of every (sequence, position); a pad repeats the sequence's last token
+        idx = np.minimum(starts[seqs][:, None] + ar, (starts[seqs] + lens[seqs] - 1)[:, None])
+        seq_i, pos_i = np.nonzero(ar[None, :] < lens[seqs][:, None])
+        it = torch.from_numpy(idx).to(query.device)
+        qb, kb, vb = (x[it].transpose(1, 2) for x in (q, k, v))  # [S, heads, L, d]
+        if groups > 1:
+            kb, vb = kb.repeat_interleave(groups, dim=1), vb.repeat_interleave(groups, dim=1)
+        o = _causal_attention(qb, kb, vb, p, scaling)
+        outs.append(o.transpose(1, 2)[torch.from_numpy(seq_i).to(query.device), torch.from_numpy(pos_i).to(query.device)])
+        order.append(idx[seq_i, pos_i])
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [N, heads, d] in bucket order
+    perm = np.concatenate(order)
+    if not np.array_equal(perm, np.arange(n)):
+        out = out[torch.from_numpy(np.argsort(perm)).to(query.device)]
+    return out[None], None
+
+
+#: a bf16 / fp16 batch of at most this many attention scores (``S x heads x L x L``) on CPU runs as
+#: two matmuls and a softmax (:func:`_causal_attention`); larger ones, fp32 and GPUs use sdpa
+BMM_ATTENTION_MAX_SCORES = 1 << 25  # 128 MiB of fp32 scores
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float,
+                      scale: Optional[float]) -> torch.Tensor:
+    """Causal attention of ``[S, heads, L, d]`` q/k/v (same heads).
+
+    On CPU in bf16 / fp16 with at most :data:`BMM_ATTENTION_MAX_SCORES` scores: fp32 scores
+    ``q k^T`` (inputs upcast, as flash attention keeps its scores in fp32), the causal mask and
+    an fp32 softmax, then the probabilities in the inputs' dtype times ``v`` (as flash attention
+    does). Measured here (2-core Xeon, AMX, ``[32, 9, 136, 64]`` bf16): forward + backward about
+    5x faster than torch's CPU flash-attention kernel, whose bf16 backward was the largest
+    single cost of a SmolLM2 learner step (benchmarks/RESULTS.md). Everything else: sdpa."""
+    n, heads, length, d = q.shape
+    if (dropout or q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16)
+            or n * heads * length * length > BMM_ATTENTION_MAX_SCORES):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
+                                                                scale=scale)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(d ** -0.5 if scale is None else scale)
+    scores = scores.masked_fill_(torch.ones(length, length, dtype=torch.bool, device=q.device).triu_(1),
+                                 float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+
+
+def _length_buckets(lens: np.ndarray) -> list[np.ndarray]:
+    """Sequence indices in buckets, longest first, each bucket's ``S x L`` padded positions at
+    most twice its real tokens; indices ascending inside a bucket (one bucket: packed order)."""
+    order = np.argsort(-lens, kind="stable")
+    buckets, cur, real = [], [], 0
+    for i in order.tolist():
+        if cur and (len(cur) + 1) * int(lens[cur[0]]) > 2 * (real + int(lens[i])):
+            buckets.append(np.sort(np.asarray(cur)))
+            cur, real = [], 0
+        cur.append(i)
+        real += int(lens[i])
+    if cur:
+        buckets.append(np.sort(np.asarray(cur)))
+    return buckets
 
 
 def _no_mask(*args, **kwargs):

@@ -137,3 +137,49 @@ def test_packed_equals_padded_on_a_random_llama(attn):
     table = graded_table(groups=5, n=3, seed=4, vocab=300, prompt_len=9, max_resp=20)
     err = _compare(model, table, micro_batch_tokens=64)
     print(f"{attn}: max |packed - padded| logprob = {err:.1e}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("lens", [[7, 1, 12, 5, 9], [40, 3, 2, 4, 1, 2]], ids=["one-bucket", "long-and-short"])
+def test_varlen_sdpa_equals_one_causal_attention_per_sequence(lens, dtype):
+    """The packed attention (right-padded batches of sequences, bucketed by length) gives each
+    sequence's own causal attention, values and gradients, with grouped key/value heads; a long
+    sequence among short ones is not padded to: the buckets stay within twice their tokens.
+    bf16 (on CPU: the matmul + fp32 softmax path) against the float64 reference, to bf16 tolerance."""
+    from types import SimpleNamespace
+
+    from prorl_async.learners.packing import _length_buckets, varlen_sdpa_attention
+
+    torch.manual_seed(0)
+    n, heads, kv, d = sum(lens), 4, 2, 8
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)
+    q0 = torch.randn(1, n, heads, d, dtype=torch.float64)
+    k0, v0 = torch.randn(1, n, kv, d, dtype=torch.float64), torch.randn(1, n, kv, d, dtype=torch.float64)
+    g = torch.randn(1, n, heads, d, dtype=torch.float64)
+    module = SimpleNamespace(num_key_value_groups=heads // kv, training=False)
+
+    def run(fn, dt=torch.float64):
+        q, k, v = (x.to(dt).requires_grad_() for x in (q0, k0, v0))
+        out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # HF hands [1, heads, N, d] views
+        out.backward(g.to(dt))
+        return [t.double() for t in (out, q.grad, k.grad, v.grad)]
+
+    def reference(q, k, v):
+        k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
+        outs = [torch.nn.functional.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e],
+                                                                 is_causal=True)
+                for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())]
+        return torch.cat(outs, 2).transpose(1, 2)
+
+    got = run(lambda q, k, v: varlen_sdpa_attention(module, q, k, v, None, cu_seq_lens_q=cu)[0], dtype)
+    want = run(reference)
+    assert got[0].shape == (1, n, heads, d)
+    tol = 1e-10 if dtype == torch.float64 else 3e-2
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=name)
+        assert float(b.detach().abs().max()) > 0.1, name  # real values were compared
+    buckets = _length_buckets(np.asarray(lens))
+    assert sorted(np.concatenate(buckets).tolist()) == list(range(len(lens)))
+    for bk in buckets:
+        assert len(bk) * max(lens[i] for i in bk) <= 2 * sum(lens[i] for i in bk)
+    assert len(buckets) == (1 if max(lens) < 20 else 2)
