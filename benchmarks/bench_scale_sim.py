@@ -96,7 +96,6 @@ class Result:
 
 def simulate(num_gen: int, max_staleness: int, a, rng_seed: int) -> Result:
     import numpy as np
-    import pyarrow as pa
 
     from prorl_async.buffer import ReplayBuffer
     from prorl_async.data.schema import rollout_batch
@@ -165,7 +164,7 @@ def simulate(num_gen: int, max_staleness: int, a, rng_seed: int) -> Result:
             push(now + reload + duration, "generated", (i, batch))
 
     def dispatch_training():
-        nonlocal buffered, live, consumed, training, learner_busy_s, stale_sum, stale_n, stale_max
+        nonlocal buffered, live, consumed, training, stale_sum, stale_n, stale_max
         nonlocal stale_dropped, trained_samples
         if training or buffered < G or version + training >= a.steps:
             return

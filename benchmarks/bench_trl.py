@@ -71,6 +71,9 @@ def parse_args(argv=None):
     p.add_argument("--dynamic-sampling", action="store_true", help="prorl-async with dynamic sampling (its default)")
     p.add_argument("--trl-fp32", action="store_true", help="TRL without bf16 autocast (prorl-async's learner uses it)")
     p.add_argument("--cache-dir", help="model.cache_dir holding the built-in model")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override applied to both systems (repeatable), e.g. model.autocast_bf16=true: "
+                        "prorl-async's learner in bf16 (bf16 parameters, fp32 masters), TRL with bf16 autocast")
     p.add_argument("--out", type=Path, default=OUT_DIR, help="output folder")
     args = p.parse_args(argv)
     for k, v in PRESETS[args.preset].items():
@@ -95,7 +98,8 @@ def common_overrides(args) -> list[str]:
             f"rollout.n={args.n}", f"rollout.max_new_tokens={args.max_new_tokens}", f"train.lr={args.lr}",
             f"algo.dynamic_sampling={'true' if args.dynamic_sampling else 'false'}", "train.eval_interval=0",
             *([f"model.cache_dir={args.cache_dir}"] if args.cache_dir else []),
-            *([f"data.eval=builtin:chat-arith?n={args.eval_rows}&seed=2&split=eval"] if args.eval_rows else [])]
+            *([f"data.eval=builtin:chat-arith?n={args.eval_rows}&seed=2&split=eval"] if args.eval_rows else []),
+            *args.override]
 
 
 def load_avg() -> list[float]:

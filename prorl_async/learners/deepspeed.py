@@ -39,8 +39,7 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 
-from prorl_async.learners.core import (  # noqa: F401  (prepare_batch, token_logprobs: re-exported)
-    LearnerCore, algo_state, batch_metrics, cpu_has_bf16, prepare_batch, token_logprobs)
+from prorl_async.learners.core import LearnerCore, algo_state, cpu_has_bf16
 from prorl_async.models import load_model
 from prorl_async.weight_sync import free_port
 

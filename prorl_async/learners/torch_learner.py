@@ -31,9 +31,7 @@ from typing import Optional
 import pyarrow as pa
 import torch
 
-from prorl_async.learners.core import (  # noqa: F401  (re-exported for callers of this module)
-    LearnerCore, NonFiniteStepError, algo_state, batch_metrics, batch_to_tensors, cpu_has_bf16, micro_batch_loss,
-    prepare_batch)
+from prorl_async.learners.core import LearnerCore, algo_state, cpu_has_bf16
 from prorl_async.learners.update_guard import UpdateGuard
 from prorl_async.models import load_model
 
