@@ -36,6 +36,32 @@ def ray_cluster():
     shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _rss_bytes() -> int:
+    try:
+        with open(f"/proc/{os.getpid()}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # not Linux
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _return_freed_memory():
+    """After a test that left this process large (a 135M-parameter model and its copies in
+    the test process), give the freed memory back to the OS: glibc keeps it otherwise (10 GB
+    after the SmolLM2 learner tests, 1.9 GB after gc + malloc_trim), and the Ray actors of
+    later tests then run out of the machine's memory."""
+    yield
+    if _rss_bytes() > 1.5 * 2**30:
+        import ctypes
+        import gc
+
+        gc.collect()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
+
+
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory):
     """A cache dir shared by the session so the built-in model is warmed up once."""

@@ -209,26 +209,28 @@ def test_generators_killed_past_the_limit_stop_with_a_checkpoint(ray_cluster, tm
     assert_nothing_lost_or_repeated(cfg, ckpt.path)
 
 
-def test_killed_grader_is_restarted_and_its_requests_reissued(ray_cluster, tmp_path, model_cache):
+def test_killed_grader_is_restarted_and_its_requests_reissued(ray_cluster, tmp_path, model_cache, monkeypatch):
+    """The grader is killed just after a training request's grade call was queued on it (so that
+    call fails; a grader killed while idle would leave nothing to re-issue): Ray restarts it, the
+    request's prompts are re-issued, and every prompt is trained or waiting exactly once."""
     import ray
 
-    from actors.driver import run
+    from actors.driver import TrainingLoop, run
 
     cfg = _cfg(tmp_path, model_cache, "train.total_steps=6", "train.max_staleness=1", *FAST)
-    killed = []
+    killed, original = [], TrainingLoop._request
 
-    def kill_grader():
-        if _requests() >= BEFORE_EVAL_REQUESTS + 3:
-            ray.kill(_actor("/grader"), no_restart=False)
-            killed.append(time.time())
-            return True
-        return False
+    def request_then_kill(self, i, rows, seed):
+        original(self, i, rows, seed)
+        if not killed and self.s.version == 2:
+            ray.kill(self.actors.grader, no_restart=False)
+            killed.append([str(r["id"]) for r in rows])
 
-    with Killer(kill_grader):
-        summary = run(cfg)
+    monkeypatch.setattr(TrainingLoop, "_request", request_then_kill)
+    summary = run(cfg)
     assert killed and summary["steps"] == 6
     assert summary["grader_failures"] >= 1 and summary["generator_failures"] == 0
-    assert summary["reissued_prompts"]
+    assert set(killed[0]) <= set(summary["reissued_prompts"]), (killed, summary["reissued_prompts"])
     a = assert_nothing_lost_or_repeated(cfg, _latest(tmp_path).path)
     for pid in summary["reissued_prompts"]:
         assert a["trained"][pid] + a["buffered"][pid] + a["retry"][pid] == 1, pid
