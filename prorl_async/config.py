@@ -19,6 +19,7 @@ from typing import Any, Optional
 import yaml
 
 from prorl_async.algo import ADVANTAGE_ESTIMATORS, IS_MODES, KL_KINDS, OVERLONG_MODES
+from prorl_async.engines.base import VLLM_ENGINE_CORES
 
 
 class ConfigError(ValueError):
@@ -326,8 +327,8 @@ def validate(cfg: Config) -> None:
     _require(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
     _require(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     _require(r.engine in ("hf", "vllm"), "rollout.engine", f"must be hf or vllm, got {r.engine!r}")
-    _require(r.vllm_engine_core in ("auto", "inline", "process"), "rollout.vllm_engine_core",
-             f"must be auto, inline or process, got {r.vllm_engine_core!r}")
+    _require(r.vllm_engine_core in VLLM_ENGINE_CORES, "rollout.vllm_engine_core",
+             f"must be {', '.join(VLLM_ENGINE_CORES[:-1])} or {VLLM_ENGINE_CORES[-1]}, got {r.vllm_engine_core!r}")
     _require(t.mini_batches >= 1 and t.prompts_per_step % t.mini_batches == 0, "train.mini_batches",
              f"must divide train.prompts_per_step={t.prompts_per_step} (got {t.mini_batches}); pick a divisor")
     _require(t.micro_batch_size >= 1, "train.micro_batch_size", f"must be >= 1, got {t.micro_batch_size}")

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+#: ``rollout.vllm_engine_core`` choices (prorl_async.engines.vllm.inline_engine_core)
+VLLM_ENGINE_CORES = ("auto", "inline", "process")
+
 
 @dataclass(frozen=True)
 class SamplingSpec:

@@ -73,7 +73,7 @@ from typing import Optional
 
 import torch
 
-from prorl_async.engines.base import Completion, SamplingSpec
+from prorl_async.engines.base import VLLM_ENGINE_CORES, Completion, SamplingSpec
 from prorl_async.weight_sync import WeightSyncError, tensor_checksum
 from prorl_async.models import load_model, load_tokenizer, machine_dtype
 
@@ -113,8 +113,8 @@ def inline_engine_core(setting: str, on_gpu: bool) -> bool:
     """Whether the engine core runs in the caller's process (``rollout.vllm_engine_core``):
     ``inline``, ``process``, or ``auto`` = inline on CPU (see the module docstring), vLLM's own
     process on GPU (where it schedules the next step while the GPU computes)."""
-    if setting not in ("auto", "inline", "process"):
-        raise ValueError(f"rollout.vllm_engine_core: {setting!r} is not auto, inline or process")
+    if setting not in VLLM_ENGINE_CORES:
+        raise ValueError(f"rollout.vllm_engine_core: {setting!r} is not one of {', '.join(VLLM_ENGINE_CORES)}")
     return setting == "inline" or (setting == "auto" and not on_gpu)
 
 
