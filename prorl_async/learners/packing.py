@@ -193,6 +193,8 @@ def varlen_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value:
         raise ValueError(f"{VARLEN_SDPA}: packed input takes no attention_mask (sequences are cut at cu_seq_lens_q)")
     groups = getattr(module, "num_key_value_groups", 1)
     p = dropout if module.training else 0.0
+    if cu_seq_lens_q is not None and _flash_varlen_applies(query, p):
+        return _flash_varlen(query, key, value, cu_seq_lens_q, kwargs.get("max_length_q"), scaling, groups), None
     n = query.shape[2]
     bounds = np.array([0, n] if cu_seq_lens_q is None else cu_seq_lens_q.tolist(), dtype=np.int64)
     starts, lens = bounds[:-1], np.diff(bounds)
@@ -216,6 +218,51 @@ def varlen_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value:
     if not np.array_equal(perm, np.arange(n)):
         out = out[torch.from_numpy(np.argsort(perm)).to(query.device)]
     return out[None], None
+
+
+#: packed bf16 / fp16 rows on a GPU go through torch's varlen flash attention
+#: (``torch.nn.attention.varlen``, no padding, no gather); False: the bucketed sdpa above
+#: (benchmarks/bench_learner.py --gpu-attention compares the two)
+TORCH_VARLEN = True
+
+
+def _varlen_attn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.10
+        return None
+    return varlen_attn
+
+
+def _flash_varlen_applies(q: torch.Tensor, dropout: float) -> bool:
+    return (TORCH_VARLEN and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and not dropout
+            and _varlen_attn() is not None)
+
+
+def _flash_varlen(query, key, value, cu: torch.Tensor, longest: Optional[int], scale: Optional[float],
+                  groups: int) -> torch.Tensor:
+    """Causal attention of the packed ``[1, heads, N, d]`` q/k/v in one varlen flash-attention
+    call, each sequence attending to itself; ``[N, heads, d]``. ``longest`` comes from the
+    caller (no device-to-host read per layer)."""
+    import inspect
+
+    fn = _varlen_attn()
+    params = inspect.signature(fn).parameters
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [N, heads, d]
+    kw = {"scale": scale}
+    if "window_size" in params:  # torch >= 2.11: causal is the window (-1, 0)
+        kw["window_size"] = (-1, 0)
+    else:  # torch 2.10
+        kw["is_causal"] = True
+    if groups > 1:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    if longest is None:
+        longest = int((cu[1:] - cu[:-1]).max())
+    cu = cu.to(device=q.device, dtype=torch.int32)
+    return fn(q, k, v, cu, cu, int(longest), int(longest), **kw)
 
 
 #: a bf16 / fp16 batch of at most this many attention scores (``S x heads x L x L``) on CPU runs as
