@@ -21,6 +21,9 @@ import yaml
 from prorl_async.algo import ADVANTAGE_ESTIMATORS, IS_MODES, KL_KINDS, OVERLONG_MODES
 from prorl_async.engines.base import VLLM_ENGINE_CORES
 
+#: ``train.compile`` (prorl_async.learners.compile)
+COMPILE_CHOICES = ("auto", "always", "never")
+
 
 class ConfigError(ValueError):
     """A config value that cannot work; the message names the field and the fix."""
@@ -124,6 +127,8 @@ class TrainConfig:
                                  "sequence gets a micro-batch of its own")
     logprob_chunk_tokens: int = _f(1024, "packed path: tokens whose fp32 vocabulary logits exist at once "
                                    "(LM head and logprobs computed chunk by chunk)")
+    compile: str = _f("auto", "torch.compile the learner's decoder layers and its chunked LM head: auto (on a CUDA "
+                      "learner; off on CPU), always, or never")
     ppo_epochs: int = _f(1, "passes over each batch")
     seed: int = _f(0, "seed of the learner and of python/numpy/torch RNGs")
     eval_interval: int = _f(40, "evaluate on the held-out split every N steps (0 = only before/after)")
@@ -338,6 +343,8 @@ def validate(cfg: Config) -> None:
     _require(t.ppo_epochs >= 1, "train.ppo_epochs", f"must be >= 1, got {t.ppo_epochs}")
     _require(t.micro_batch_tokens >= 0, "train.micro_batch_tokens",
              f"must be >= 0 (0 = padded micro-batches of train.micro_batch_size rows), got {t.micro_batch_tokens}")
+    _require(t.compile in COMPILE_CHOICES, "train.compile",
+             f"must be {', '.join(COMPILE_CHOICES[:-1])} or {COMPILE_CHOICES[-1]}, got {t.compile!r}")
     _require(t.logprob_chunk_tokens >= 1, "train.logprob_chunk_tokens", f"must be >= 1, got {t.logprob_chunk_tokens}")
     _one_of(a.advantage, ADVANTAGE_ESTIMATORS, "algo.advantage")
     _one_of(a.is_mode, IS_MODES, "algo.is_mode")

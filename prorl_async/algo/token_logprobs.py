@@ -37,32 +37,77 @@ def _chunk_stats(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     return z
 
 
+def _forward_chunk(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+                   temperature: float, with_entropy: bool):
+    """One chunk's ``(logsumexp, logp of the targets, entropy or None)``."""
+    z = _chunk_stats(h, weight, bias, temperature)
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+    if not with_entropy:
+        return lse, logp, None
+    z.sub_(lse[:, None])  # log p, in place: one chunk buffer
+    return lse, logp, -(z.exp() * z).sum(-1)
+
+
+def _grad_logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+                 lse: torch.Tensor, g_logp: torch.Tensor, ent: Optional[torch.Tensor], g_ent: Optional[torch.Tensor],
+                 temperature: float) -> torch.Tensor:
+    """One chunk's fp32 gradient with respect to its logits (the chunk's logits recomputed)."""
+    z = _chunk_stats(h, weight, bias, temperature)
+    z.sub_(lse[:, None])  # log p
+    p = z.exp()
+    # d logp_target / dz = onehot - p ; d H / dz = -p (log p + H)
+    if ent is not None:
+        gz = z.add_(ent[:, None]).mul_(p).mul_(-g_ent[:, None])
+        gz.sub_(p * g_logp[:, None])
+    else:
+        gz = p.mul_(-g_logp[:, None])
+    gz.scatter_add_(-1, targets[:, None], g_logp[:, None])
+    if temperature != 1.0:
+        gz.div_(temperature)
+    return gz
+
+
+_COMPILED: dict = {}
+
+
+def _chunk_fns(compiled: bool):
+    """``(forward_chunk, grad_logits)``, eager or through ``torch.compile`` (compiled once per
+    process, shapes dynamic): compiled, each chunk's fp32 float / logsumexp / exp / scale
+    passes over its ``[chunk, V]`` logits fuse into a few kernels (on a GPU they are most of
+    the LM head's time: a bandwidth-bound pass per op at 4,096 x 49,152 fp32)."""
+    if not compiled:
+        return _forward_chunk, _grad_logits
+    if not _COMPILED:
+        _COMPILED["fns"] = (torch.compile(_forward_chunk, dynamic=True), torch.compile(_grad_logits, dynamic=True))
+    return _COMPILED["fns"]
+
+
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_tokens, with_entropy):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_tokens, with_entropy, compiled):
         n = hidden.shape[0]
+        fwd, _ = _chunk_fns(compiled)
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         ent = torch.empty(n, dtype=torch.float32, device=hidden.device) if with_entropy else None
         with torch.no_grad():
             for s in range(0, n, chunk_tokens):
                 e = min(n, s + chunk_tokens)
-                z = _chunk_stats(hidden[s:e], weight, bias, temperature)
-                lse_c = torch.logsumexp(z, dim=-1)
-                lse[s:e] = lse_c
-                logp[s:e] = z.gather(-1, targets[s:e, None]).squeeze(-1) - lse_c
+                lse[s:e], logp[s:e], ent_c = fwd(hidden[s:e], weight, bias, targets[s:e], temperature, with_entropy)
                 if with_entropy:
-                    z.sub_(lse_c[:, None])  # log p, in place: one chunk buffer
-                    ent[s:e] = -(z.exp() * z).sum(-1)
+                    ent[s:e] = ent_c
         ctx.set_materialize_grads(False)  # an unused entropy output costs nothing in backward
         ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
         ctx.temperature, ctx.chunk_tokens, ctx.with_entropy = temperature, chunk_tokens, with_entropy
+        ctx.compiled = compiled
         return logp, (ent if with_entropy else torch.empty(0, device=hidden.device))
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
         temperature, chunk = ctx.temperature, ctx.chunk_tokens
+        _, grad_logits = _chunk_fns(ctx.compiled)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n = hidden.shape[0]
         if g_logp is None:
@@ -74,18 +119,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             with torch.no_grad():
-                z = _chunk_stats(hidden[s:e], weight, bias, temperature)
-                z.sub_(lse[s:e, None])  # log p
-                p = z.exp()
-                # d logp_target / dz = onehot - p ; d H / dz = -p (log p + H)
-                if use_ent:
-                    gz = z.add_(ent[s:e, None]).mul_(p).mul_(-g_ent[s:e, None])
-                    gz.sub_(p * g_logp[s:e, None])
-                else:
-                    gz = p.mul_(-g_logp[s:e, None])
-                gz.scatter_add_(-1, targets[s:e, None], g_logp[s:e, None])
-                if temperature != 1.0:
-                    gz.div_(temperature)
+                gz = grad_logits(hidden[s:e], weight, bias, targets[s:e], lse[s:e], g_logp[s:e],
+                                 ent[s:e] if use_ent else None, g_ent[s:e] if use_ent else None, temperature)
                 if g_b is not None:
                     g_b += gz.sum(0)
                 gz = gz.to(hidden.dtype)
@@ -97,12 +132,12 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                     else:  # the matmul in the inputs' dtype (bf16 on AMX / tensor cores), summed in fp32
                         g_w += gz.t() @ hidden[s:e]
         return (g_h, g_w.to(weight.dtype) if need_w else None, g_b.to(bias.dtype) if need_b else None,
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                    bias: Optional[torch.Tensor] = None, temperature: float = 1.0, chunk_tokens: int = 1024,
-                   with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                   with_entropy: bool = False, compiled: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Logprob of ``targets`` (and the entropy) under ``softmax((hidden @ weight.T + bias) / temperature)``.
 
     hidden: ``[..., H]`` final hidden states (after the model's last norm), any float dtype.
@@ -111,6 +146,8 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     bias: optional ``[V]`` head bias. temperature: the sampling temperature (logits / T).
     chunk_tokens: tokens whose ``[chunk, V]`` fp32 logits exist at once (memory bound).
     with_entropy: also return the per-token entropy (differentiable), else ``None``.
+    compiled: each chunk's elementwise passes through ``torch.compile`` (same math; the
+    ``train.compile`` setting, on by default on a GPU).
 
     Returns ``(logprobs, entropy)``, float32 tensors of the leading shape. Differentiable in
     ``hidden``, ``weight`` and ``bias``; the backward pass recomputes each chunk's logits.
@@ -130,5 +167,5 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         raise ValueError(f"{fn}: `hidden` is {h.dtype} and `weight` {weight.dtype}; cast one (autocast is not "
                          "applied inside the chunked head)")
     logp, ent = _ChunkedTokenLogprobs.apply(h, weight, bias, t, float(temperature), int(chunk_tokens),
-                                            bool(with_entropy))
+                                            bool(with_entropy), bool(compiled))
     return logp.reshape(lead), (ent.reshape(lead) if with_entropy else None)

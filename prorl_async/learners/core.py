@@ -269,7 +269,7 @@ def _attn_implementation(config, impl: str):
 
 
 def packed_token_logprobs(model, b: dict, rows, temperature: float, device, autocast: bool,
-                          with_entropy: bool = False, chunk_tokens: int = 1024):
+                          with_entropy: bool = False, chunk_tokens: int = 1024, compiled: bool = False):
     """Per-response-token logprobs (and entropies) of table rows ``rows`` (index array), packed
     into one padding-free sequence (:func:`~prorl_async.learners.packing.pack_micro_batch`):
     ``position_ids`` restart at 0 per sequence, no ``attention_mask`` is passed, and the
@@ -304,7 +304,7 @@ def packed_token_logprobs(model, b: dict, rows, temperature: float, device, auto
         dtype = torch.bfloat16 if autocast else w.dtype  # what autocast would run the head in
         logp, ent = chunked_token_logprobs(h.to(dtype), w.to(dtype), targets,
                                            bias=None if bias is None else bias.to(dtype), temperature=temperature,
-                                           chunk_tokens=chunk_tokens, with_entropy=with_entropy)
+                                           chunk_tokens=chunk_tokens, with_entropy=with_entropy, compiled=compiled)
     else:
         with autocast_ctx(device, autocast):
             logits = head(h)
@@ -399,7 +399,7 @@ class LearnerCore:
         temp = self.cfg.rollout.temperature
         if self.packing:
             return packed_token_logprobs(model, b, rows, temp, o.device, o.autocast, with_entropy,
-                                         chunk_tokens=t.logprob_chunk_tokens)
+                                         chunk_tokens=t.logprob_chunk_tokens, compiled=getattr(o, "compiled", False))
         return token_logprobs(model, b, rows, temp, o.device, o.autocast, with_entropy,
                               entropy_grad=self.cfg.algo.entropy_coef != 0)
 

@@ -31,6 +31,7 @@ from typing import Optional
 import pyarrow as pa
 import torch
 
+from prorl_async.learners.compile import compile_applies, compile_decoder_layers
 from prorl_async.learners.core import LearnerCore, algo_state, cpu_has_bf16
 from prorl_async.learners.update_guard import UpdateGuard
 from prorl_async.models import load_model
@@ -55,6 +56,11 @@ class TorchLearner:
         if self.use_ref:
             self.ref = copy.deepcopy(self.model).eval()  # bf16 outright with bf16 parameters
             self.ref.requires_grad_(False)
+        self.compiled = compile_applies(t.compile, self.device)  # decoder layers and the LM head's chunks
+        if self.compiled:
+            for m in (self.model, self.ref):
+                if m is not None:
+                    compile_decoder_layers(m)
         params = self.masters.params if self.masters is not None else list(self.model.parameters())
         self.opt = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, **_fused_kwargs(self.device))
         warm = max(1, t.warmup_lr_steps)

@@ -64,6 +64,21 @@ def test_values_and_gradients_equal_the_full_logits_reference(dtype, tol, temper
     assert float(ref[2].float().abs().max()) > 0.1  # the gradients compared are not trivially zero
 
 
+def test_compiled_chunks_equal_the_full_logits_reference():
+    """``compiled=True`` (``train.compile``; on by default on a GPU) runs the same per-chunk math
+    through torch.compile: same values and gradients, a short last chunk included."""
+    module = sys.modules[token_logprobs.__module__]
+
+    h, w, b, t, cl, ce = _inputs(torch.float32, bias=True)
+    ref = _grads(_reference, h, w, b, t, cl, ce, 0.7)
+    got = _grads(lambda *a: token_logprobs(*a[:2], a[3], bias=a[2], temperature=a[4], chunk_tokens=8,
+                                           with_entropy=True, compiled=True), h, w, b, t, cl, ce, 0.7)
+    assert module._COMPILED, "the compiled chunk functions were not used"
+    for name, r, g in zip(["logprobs", "entropy", "grad hidden", "grad weight", "grad bias"], ref, got):
+        err = float((g - r).abs().max())
+        assert err <= 1e-4 * max(1.0, float(r.abs().max())), f"{name}: max error {err:.2e}"
+
+
 def test_logprobs_alone_match_and_leading_dims_are_kept():
     h, w, _, t, cl, _ = _inputs(torch.float32, n=24)
     h3 = h.detach().reshape(2, 12, -1).requires_grad_()

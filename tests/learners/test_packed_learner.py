@@ -166,3 +166,17 @@ def test_learner_reads_only_its_columns_from_arrow_offsets():
 def test_micro_batch_tokens_is_validated(tiny_model):
     with pytest.raises(Exception, match="train.micro_batch_tokens"):
         _cfg(tiny_model, "torch", -1)
+
+
+def test_compile_is_off_on_cpu_by_default_and_validated(tiny_model):
+    """``train.compile: auto`` compiles a CUDA learner only (tests/test_gpu.py runs it there);
+    on CPU the learner runs eager; a bad value is one config error naming the key."""
+    from prorl_async.learners.compile import compile_applies
+    from prorl_async.learners.torch_learner import TorchLearner
+
+    learner = TorchLearner(load_config(None, ["train.mini_batches=1"]), tiny_model)
+    assert learner.compiled is False
+    assert not any(getattr(layer, "_compiled_call_impl", None) for layer in learner.model.model.layers)
+    assert compile_applies("auto", "cuda") and compile_applies("always", "cpu") and not compile_applies("never", "cuda")
+    with pytest.raises(Exception, match="train.compile"):
+        load_config(None, ["train.compile=sometimes"])
