@@ -32,7 +32,12 @@ def decoder_layers(model) -> list:
 
 
 def compile_decoder_layers(model) -> int:
-    """Each decoder layer compiled in place (shapes dynamic: packed lengths vary); their count."""
+    """Each decoder layer compiled in place (shapes dynamic: packed lengths vary); their count.
+    A graph the compiler fails on runs eager instead (``suppress_errors``, set for this
+    process): compilation is an optimisation, a run never dies of it."""
+    import torch._dynamo
+
+    torch._dynamo.config.suppress_errors = True
     layers = decoder_layers(model)
     for layer in layers:
         layer.compile(dynamic=True)
