@@ -146,6 +146,8 @@ def test_peak_memory_is_bounded_by_the_chunk_not_by_tokens_times_vocab():
     print(f"peak above inputs: full {full['peak_mb']:.0f} MiB, chunked {chunked['peak_mb']:.0f} MiB "
           f"({2 * n} tokens: {longer['peak_mb']:.0f} MiB)")
     assert chunked["logp_sum"] == pytest.approx(full["logp_sum"], rel=1e-4)
-    assert full["peak_mb"] > 500  # the reference holds several tokens x vocab fp32 tensors
+    # the reference holds at least two 256 MiB tokens x vocab fp32 tensors at once (measured
+    # 480-770 MiB: how many are live at the peak varies with the allocator and the machine)
+    assert full["peak_mb"] > 1.5 * 256
     assert chunked["peak_mb"] < 0.15 * full["peak_mb"]
     assert longer["peak_mb"] < chunked["peak_mb"] + 32  # twice the tokens, about the same peak
