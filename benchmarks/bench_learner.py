@@ -103,16 +103,22 @@ def _sync(device: str) -> None:
 def random_smollm2_dir(work: Path) -> str:
     """A Llama of SmolLM2-135M's shape with random weights (fp32), saved for TorchLearner to load."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    h, layers, inter, heads, kv, vocab = SMOLLM2_135M
-    cfg = LlamaConfig(hidden_size=h, num_hidden_layers=layers, intermediate_size=inter, num_attention_heads=heads,
-                      num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=True,
-                      max_position_embeddings=8192, pad_token_id=2, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     out = work / "smollm2-shaped-random"
-    LlamaForCausalLM(cfg).save_pretrained(out)
+    LlamaForCausalLM(smollm2_shaped_config(max_position_embeddings=8192, pad_token_id=2, bos_token_id=1,
+                                           eos_token_id=2)).save_pretrained(out)
     return str(out)
+
+
+def smollm2_shaped_config(**extra):
+    """A transformers LlamaConfig of SmolLM2-135M's shape (:data:`SMOLLM2_135M`)."""
+    from transformers import LlamaConfig
+
+    h, layers, inter, heads, kv, vocab = SMOLLM2_135M
+    return LlamaConfig(hidden_size=h, num_hidden_layers=layers, intermediate_size=inter, num_attention_heads=heads,
+                       num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=True, **extra)
 
 
 def build_model_dir(name: str, work: Path, max_len: int) -> str:
@@ -324,7 +330,7 @@ def bench_packing(args) -> dict:
             print(f"  {prec} {name}: {dt:.2f} s, {real / dt:.0f} tok/s", flush=True)
         del model
     for k, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        peaks[k] = max(peaks[k], matmul_peak(peak_n, dt, device=dev))
+        peaks[k] = max(peaks[k], matmul_peak(args.peak_n, dt))
     for r in rows:
         r["peak_gflops"] = peaks[r["precision"]] / 1e9
         r["frac_peak_8nt"] = r["gflops_8nt"] / r["peak_gflops"]

@@ -26,6 +26,8 @@ values (advantages, rewards) broadcast with ``per_row[mb.token_rows]``.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import Optional
 
@@ -226,17 +228,22 @@ def varlen_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value:
 TORCH_VARLEN = True
 
 
+@functools.cache
 def _varlen_attn():
+    """torch's varlen flash attention and its keyword arguments for causal attention (the
+    signature changed across torch versions); ``(None, None)`` before torch 2.10."""
     try:
         from torch.nn.attention.varlen import varlen_attn
-    except ImportError:  # torch < 2.10
-        return None
-    return varlen_attn
+    except ImportError:
+        return None, None
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}  # torch >= 2.11: a window
+    return varlen_attn, (causal, "enable_gqa" in params)
 
 
 def _flash_varlen_applies(q: torch.Tensor, dropout: float) -> bool:
     return (TORCH_VARLEN and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and not dropout
-            and _varlen_attn() is not None)
+            and _varlen_attn()[0] is not None)
 
 
 def _flash_varlen(query, key, value, cu: torch.Tensor, longest: Optional[int], scale: Optional[float],
@@ -244,18 +251,11 @@ def _flash_varlen(query, key, value, cu: torch.Tensor, longest: Optional[int], s
     """Causal attention of the packed ``[1, heads, N, d]`` q/k/v in one varlen flash-attention
     call, each sequence attending to itself; ``[N, heads, d]``. ``longest`` comes from the
     caller (no device-to-host read per layer)."""
-    import inspect
-
-    fn = _varlen_attn()
-    params = inspect.signature(fn).parameters
+    fn, (causal, has_gqa) = _varlen_attn()
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [N, heads, d]
-    kw = {"scale": scale}
-    if "window_size" in params:  # torch >= 2.11: causal is the window (-1, 0)
-        kw["window_size"] = (-1, 0)
-    else:  # torch 2.10
-        kw["is_causal"] = True
+    kw = {"scale": scale, **causal}
     if groups > 1:
-        if "enable_gqa" in params:
+        if has_gqa:
             kw["enable_gqa"] = True
         else:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
