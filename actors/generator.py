@@ -27,7 +27,7 @@ from prorl_async.engines.vllm import inline_engine_core
 @ray.remote(max_concurrency=3)  # a request, a weight receive, and a group re-formation
 class GeneratorActor:
     def __init__(self, cfg, model_path: str, index: int):
-        torch.set_num_threads(cfg.train.num_threads)
+        torch.set_num_threads(cfg.rollout.num_threads or cfg.train.num_threads)
         self.cfg, self.index = cfg, index
         r = cfg.rollout
         on_gpu = r.generator_num_gpus > 0

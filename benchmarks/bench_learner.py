@@ -58,8 +58,9 @@ def parse_args(argv=None):
                         "TorchLearner.train_step on builtin:smollm2-135m-instruct, packing off vs on "
                         "(see bench_smollm2)")
     p.add_argument("--profile", action="store_true", help="smollm2 mode: print the top ops of one step per config")
-    p.add_argument("--packing", default="both", choices=["off", "on", "both"],
-                   help="smollm2 mode: which learner paths to time (train.micro_batch_tokens 0 and/or > 0)")
+    p.add_argument("--packing", default="both",
+                   help="smollm2 mode: comma list of learner paths to time: off (train.micro_batch_tokens=0), on "
+                        "(packed, train.share_prefixes=false), shared (packed, each shared prefix once); both = off,on")
     p.add_argument("--prompts", default="random", choices=["random", "chat-arith"],
                    help="smollm2 mode: random prompt tokens of --prompt-len, or builtin:chat-arith train prompts "
                         "through the model's chat template (the issue-11 batch; --prompt-len is then ignored)")
@@ -79,8 +80,15 @@ def parse_args(argv=None):
 
 
 def matmul_peak(n: int, dtype, reps: int = 5, device: str = "cpu") -> float:
-    """Best FLOP/s of torch.mm on n x n random matrices (on a GPU: synchronized around each product)."""
+    """Best FLOP/s of torch.mm on n x n random matrices (on a GPU: synchronized around each product).
+    bf16 on a CPU without AVX-512-bf16 / AMX (about 1 GFLOP/s: a 3072^3 product takes a minute) is
+    measured at n <= 512."""
     import torch
+
+    from prorl_async.learners.core import cpu_has_bf16
+
+    if device == "cpu" and dtype == torch.bfloat16 and not cpu_has_bf16():
+        n = min(n, 512)
 
     a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
     torch.mm(a, b)  # warm-up (oneDNN/AMX kernel selection, cuBLAS handle)
@@ -398,7 +406,9 @@ def bench_smollm2(args) -> dict:
     print(f"matmul peak ({where}, n={peak_n}): fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, "
           f"bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s; batch {args.rows} rows ({args.prompts} prompts of "
           f"{min(plens)}-{max(plens)} tokens), {real} real tokens", flush=True)
-    packings = {"off": (False,), "on": (True,), "both": (False, True)}[args.packing]
+    packings = ["off", "on"] if args.packing == "both" else args.packing.split(",")
+    if not set(packings) <= {"off", "on", "shared"}:
+        raise SystemExit(f"--packing: off, on, shared or both, got {args.packing!r}")
     configs = [(prec, packing) for prec in args.precisions.split(",") for packing in packings]
     learners, times, params = {}, {c: [] for c in configs}, 0
     rows = []
@@ -409,7 +419,8 @@ def bench_smollm2(args) -> dict:
                 f"model.path={model_dir}", "model.dtype=float32", f"model.autocast_bf16={prec == 'bf16'}",
                 f"train.prompts_per_step={max(1, args.rows // 4)}", "rollout.n=4", "train.mini_batches=1",
                 f"train.micro_batch_size={args.micro_batch}",
-                f"train.micro_batch_tokens={args.micro_batch_tokens if c[1] else 0}",
+                f"train.micro_batch_tokens={args.micro_batch_tokens if c[1] != 'off' else 0}",
+                f"train.share_prefixes={c[1] == 'shared'}",
                 f"train.logprob_chunk_tokens={args.chunk_tokens}", "algo.kl_coef=0.001", "train.lr=1e-6",
                 f"rollout.max_new_tokens={args.response_len}", f"train.compile={args.compile}"])
             learners[c] = TorchLearner(cfg, model_dir, device=dev)
@@ -424,7 +435,7 @@ def bench_smollm2(args) -> dict:
                 _sync(dev)
                 if rep:
                     times[c].append(time.perf_counter() - t0)
-                print(f"  {prec} packing={'on' if c[1] else 'off'} step {rep}: {time.perf_counter() - t0:.1f} s",
+                print(f"  {prec} packing={c[1]} step {rep}: {time.perf_counter() - t0:.1f} s",
                       flush=True)
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
@@ -434,12 +445,18 @@ def bench_smollm2(args) -> dict:
                 with profile(activities=acts) as prof:
                     learners[c].train_step(table_)
                     _sync(dev)
-                print(f"--- profile {prec} packing={'on' if c[1] else 'off'} (top 25 by {key})")
+                print(f"--- profile {prec} packing={c[1]} (top 25 by {key})")
                 print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60), flush=True)
         for c in pair:
             dt = min(times[c]) if times[c] else float("nan")  # --steps 0: a warm-up (and a profile) only
-            rows.append({"precision": prec, "packing": "on" if c[1] else "off", "params_m": params / 1e6,
-                         "tokens": real, "step_s": dt,
+            computed = real
+            if c[1] == "shared":  # the tokens the shared micro-batches hold: each shared prefix once
+                from prorl_async.learners.core import batch_to_tensors
+                b = batch_to_tensors(table_, 0, padded=False)
+                computed = sum(packing.pack_shared_micro_batch(b["_prompt"], b["_response"], m).num_tokens
+                               for m in learners[c].core.micro_batches(b, slice(0, table_.num_rows)))
+            rows.append({"precision": prec, "packing": c[1], "params_m": params / 1e6,
+                         "tokens": real, "computed_tokens": computed, "step_s": dt,
                          "step_s_median": statistics.median(times[c]) if times[c] else float("nan"),
                          "tok_s": real / dt, "gflops_8nt": 8 * params * real / dt / 1e9})
             del learners[c]
@@ -450,7 +467,8 @@ def bench_smollm2(args) -> dict:
         r["frac_peak_8nt"] = r["gflops_8nt"] / r["peak_gflops"]
     print()
     print(table(rows, [("precision", "prec", "{}"), ("packing", "packing", "{}"), ("params_m", "params (M)", "{:.1f}"),
-                       ("tokens", "real tokens", "{:.0f}"), ("step_s", "step s (best)", "{:.2f}"),
+                       ("tokens", "real tokens", "{:.0f}"), ("computed_tokens", "computed", "{:.0f}"),
+                       ("step_s", "step s (best)", "{:.2f}"),
                        ("step_s_median", "step s (median)", "{:.2f}"), ("tok_s", "tok/s", "{:.0f}"),
                        ("gflops_8nt", "GFLOP/s (8NT)", "{:.1f}"), ("peak_gflops", "peak GFLOP/s", "{:.0f}"),
                        ("frac_peak_8nt", "8NT/peak", "{:.1%}")]))

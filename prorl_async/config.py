@@ -72,6 +72,7 @@ class RolloutConfig:
     max_new_tokens: int = _f(8, "maximum response length Lmax in tokens")
     prompts_per_request: int = _f(16, "prompts in one generation request (a request is the unit of admission control)")
     generator_num_cpus: float = _f(1.0, "CPUs Ray reserves per generator")
+    num_threads: int = _f(0, "torch intra-op threads of a generator (0 = train.num_threads)")
     generator_num_gpus: float = _f(0.0, "GPUs Ray reserves per generator")
     seed: int = _f(0, "base seed of the generators' samplers")
     max_generator_failures: int = _f(3, "generator deaths survived (Ray restarts it, it is re-synced); one more stops the run")
@@ -125,6 +126,8 @@ class TrainConfig:
     micro_batch_tokens: int = _f(4096, "sequence packing: prompt+response tokens per forward/backward pass, "
                                  "no padding (0 = padded micro-batches of micro_batch_size rows); a longer "
                                  "sequence gets a micro-batch of its own")
+    share_prefixes: bool = _f(True, "packed path: a prefix that sequences of a micro-batch share (a group's prompt, a "
+                              "chat template's system prompt) is computed once and attended to by each (exact)")
     logprob_chunk_tokens: int = _f(1024, "packed path: tokens whose fp32 vocabulary logits exist at once "
                                    "(LM head and logprobs computed chunk by chunk)")
     compile: str = _f("auto", "torch.compile the learner's decoder layers and its chunked LM head: auto (on a CUDA "
@@ -137,7 +140,7 @@ class TrainConfig:
     keep_last: int = _f(2, "checkpoints kept")
     learner_num_cpus: float = _f(1.0, "CPUs Ray reserves for the learner")
     learner_num_gpus: float = _f(0.0, "GPUs Ray reserves for the learner")
-    num_threads: int = _f(1, "torch intra-op threads per actor")
+    num_threads: int = _f(1, "torch intra-op threads per actor (a generator's: rollout.num_threads when set)")
     batch_timeout_s: float = _f(600.0, "a learner step waiting longer than this for rollouts fails the run")
     sync_timeout_s: float = _f(120.0, "weight broadcast timeout")
     max_skipped_steps: int = _f(5, "consecutive non-finite steps before the run stops")
@@ -326,6 +329,7 @@ def validate(cfg: Config) -> None:
     _require(t.total_steps >= 1, "train.total_steps", f"must be >= 1, got {t.total_steps}")
     _require(t.prompts_per_step >= 1, "train.prompts_per_step", f"must be >= 1, got {t.prompts_per_step}")
     _require(r.n >= 1, "rollout.n", f"must be >= 1, got {r.n}")
+    _require(r.num_threads >= 0, "rollout.num_threads", f"must be >= 0 (0 = train.num_threads), got {r.num_threads}")
     _require(r.num_generators >= 1, "rollout.num_generators", f"must be >= 1, got {r.num_generators}")
     _require(r.prompts_per_request >= 1, "rollout.prompts_per_request", f"must be >= 1, got {r.prompts_per_request}")
     _require(r.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")

@@ -34,7 +34,9 @@ micro-batches of at most ``micro_batch_tokens`` prompt+response tokens
 padding with position ids restarting per sequence and attention kept inside each sequence
 (:func:`packed_token_logprobs`), and the response logprobs / entropies come from the LM head in
 chunks of ``train.logprob_chunk_tokens`` (:mod:`prorl_async.algo.token_logprobs`), never a
-``tokens x vocab`` fp32 tensor. ``micro_batch_tokens=0`` keeps the padded path (right-padded
+``tokens x vocab`` fp32 tensor. With ``train.share_prefixes`` a micro-batch is the prefix tree of
+its sequences (:func:`~prorl_async.learners.packing.pack_shared_micro_batch`): a group's prompt
+and any other common prefix are computed once, the budget counts them once. ``micro_batch_tokens=0`` keeps the padded path (right-padded
 rows of ``train.micro_batch_size``, full logits). Both give the same loss and gradients to float
 tolerance (tests/learners/test_packed_learner.py); only the micro-batch-dependent ``*_max`` /
 ``*_min`` metric means of ``actor/`` and ``is/`` differ.
@@ -63,8 +65,9 @@ from prorl_async.algo.mismatch import mismatch_metrics, mismatch_stats
 from prorl_async.algo.reference import ReferenceResetPolicy
 from prorl_async.algo.shaping import LengthPenaltySchedule, shape_rewards
 from prorl_async.algo.token_logprobs import token_logprobs as chunked_token_logprobs
-from prorl_async.learners.packing import (list_column, pack_micro_batch, packed_attention_kwargs,
-                                          plan_micro_batches, register_varlen_sdpa)
+from prorl_async.learners.packing import (attn_implementation, list_column, pack_micro_batch,
+                                          pack_shared_micro_batch, packed_attention_kwargs, plan_micro_batches,
+                                          plan_shared_micro_batches, register_varlen_sdpa)
 from prorl_async.metrics import is_correct
 
 
@@ -253,23 +256,9 @@ def _zero3_partitioned(p: torch.Tensor) -> bool:
     return hasattr(p, "ds_id") and getattr(p, "ds_status", None) is not None and p.numel() == 0
 
 
-@contextlib.contextmanager
-def _attn_implementation(config, impl: str):
-    """``config._attn_implementation`` set to ``impl`` for the duration (the padded path and
-    generation keep the model's own)."""
-    before = config._attn_implementation
-    if before == impl:
-        yield
-        return
-    config._attn_implementation = impl
-    try:
-        yield
-    finally:
-        config._attn_implementation = before
-
-
 def packed_token_logprobs(model, b: dict, rows, temperature: float, device, autocast: bool,
-                          with_entropy: bool = False, chunk_tokens: int = 1024, compiled: bool = False):
+                          with_entropy: bool = False, chunk_tokens: int = 1024, compiled: bool = False,
+                          share_prefixes: bool = False):
     """Per-response-token logprobs (and entropies) of table rows ``rows`` (index array), packed
     into one padding-free sequence (:func:`~prorl_async.learners.packing.pack_micro_batch`):
     ``position_ids`` restart at 0 per sequence, no ``attention_mask`` is passed, and the
@@ -280,21 +269,24 @@ def packed_token_logprobs(model, b: dict, rows, temperature: float, device, auto
     ``sum L_i^2`` work, no ``N x N`` mask, the CPU choice), so attention never crosses sequences.
     The decoder body runs on the packed row; the LM head and log-softmax run on the response
     positions only, ``chunk_tokens`` at a time (:func:`prorl_async.algo.token_logprobs.token_logprobs`),
-    so no ``tokens x vocab`` fp32 tensor exists. Under ZeRO-3 (the head's weight is partitioned
+    so no ``tokens x vocab`` fp32 tensor exists. ``share_prefixes``: the rows' common prefixes
+    (a group's prompt, a system prompt) are computed once
+    (:func:`~prorl_async.learners.packing.pack_shared_micro_batch`). Under ZeRO-3 (the head's weight is partitioned
     and only a module call gathers it) the head runs as a module call on the response positions.
 
     Returns ``[len(rows), T]`` tensors in the padded path's layout (zeros past each response)."""
     device = torch.device(device)
     rows = np.asarray(rows, dtype=np.int64)
-    mb = pack_micro_batch(b["_prompt"], b["_response"], rows)
+    mb = (pack_shared_micro_batch if share_prefixes else pack_micro_batch)(b["_prompt"], b["_response"], rows)
     hf = _hf_module(model)
     body = hf.get_decoder() if hasattr(hf, "get_decoder") else hf.model
     head = hf.get_output_embeddings()
     ids, pos = mb.input_ids.to(device), mb.position_ids.to(device)
     impl = hf.config._attn_implementation or "sdpa"
-    # flash attention reads the boundaries itself (varlen kernels); anything else: varlen_sdpa_attention
-    varlen = impl if impl.startswith("flash_attention") else register_varlen_sdpa()
-    with autocast_ctx(device, autocast), _attn_implementation(hf.config, varlen):
+    # flash attention reads the boundaries itself (varlen kernels); anything else, and shared
+    # prefixes (paths through the prefix tree): varlen_sdpa_attention
+    varlen = impl if impl.startswith("flash_attention") and mb.path_index is None else register_varlen_sdpa()
+    with autocast_ctx(device, autocast), attn_implementation(hf.config, varlen):
         hidden = body(input_ids=ids, position_ids=pos, use_cache=False,
                       **packed_attention_kwargs(mb, device)).last_hidden_state
     h = hidden[0].index_select(0, mb.loss_index.to(device))
@@ -399,7 +391,8 @@ class LearnerCore:
         temp = self.cfg.rollout.temperature
         if self.packing:
             return packed_token_logprobs(model, b, rows, temp, o.device, o.autocast, with_entropy,
-                                         chunk_tokens=t.logprob_chunk_tokens, compiled=getattr(o, "compiled", False))
+                                         chunk_tokens=t.logprob_chunk_tokens, compiled=getattr(o, "compiled", False),
+                                         share_prefixes=t.share_prefixes)
         return token_logprobs(model, b, rows, temp, o.device, o.autocast, with_entropy,
                               entropy_grad=self.cfg.algo.entropy_coef != 0)
 
@@ -407,7 +400,8 @@ class LearnerCore:
         """The micro-batches of a slice of rows: ``train.micro_batch_size`` contiguous rows each
         (padded path), or with packing index arrays of rows holding at most
         ``train.micro_batch_tokens`` prompt+response tokens (first-fit decreasing; a sequence
-        longer than that gets a micro-batch of its own)."""
+        longer than that gets a micro-batch of its own), a shared prefix counted once with
+        ``train.share_prefixes`` (rows in prefix-tree order)."""
         if rows.start >= rows.stop:
             return []
         if not self.packing:
@@ -415,6 +409,8 @@ class LearnerCore:
             return [slice(i, min(rows.stop, i + mbs)) for i in range(rows.start, rows.stop, mbs)]
         lens = b["seq_lens"][rows]
         budget = max(self.cfg.train.micro_batch_tokens, int(lens.max()))
+        if self.cfg.train.share_prefixes:
+            return plan_shared_micro_batches(b["_prompt"], b["_response"], np.arange(rows.start, rows.stop), budget)
         return [p + rows.start for p in plan_micro_batches(lens, budget)]
 
     def _dummy_rows(self):

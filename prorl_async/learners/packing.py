@@ -26,6 +26,7 @@ values (advantages, rewards) broadcast with ``per_row[mb.token_rows]``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from dataclasses import dataclass
@@ -98,6 +99,10 @@ class PackedMicroBatch:
     targets: ``[M]`` int64 the response tokens (``input_ids[0, loss_index + 1]``).
     token_rows: ``[M]`` int64 table row of each response token.
     behavior_logprobs: ``[M]`` float32 engine logprobs of the response tokens (or None).
+    path_index, owner: ``None`` unless sequences share a prefix (:func:`pack_shared_micro_batch`):
+    then ``path_index`` ``[V]`` int64 lists each sequence's packed positions from its first
+    token to its last (sequence after sequence, ``cu_seqlens`` cutting them), and ``owner``
+    ``[N]`` int64 the entry of ``path_index`` whose attention output each packed position takes.
     """
 
     input_ids: torch.Tensor
@@ -108,15 +113,22 @@ class PackedMicroBatch:
     targets: torch.Tensor
     token_rows: torch.Tensor
     behavior_logprobs: Optional[torch.Tensor]
+    path_index: Optional[torch.Tensor] = None
+    owner: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
 
+    @property
+    def sequence_tokens(self) -> int:
+        """Prompt+response tokens of the sequences (``num_tokens`` plus the shared ones)."""
+        return int(self.cu_seqlens[-1])
+
     def to(self, device) -> "PackedMicroBatch":
         return PackedMicroBatch(*[None if t is None else t.to(device) for t in (
             self.input_ids, self.position_ids, self.cu_seqlens, self.rows, self.loss_index, self.targets,
-            self.token_rows, self.behavior_logprobs)])
+            self.token_rows, self.behavior_logprobs, self.path_index, self.owner)])
 
 
 def pack_micro_batch(prompt: tuple[np.ndarray, np.ndarray], response: tuple[np.ndarray, np.ndarray],
@@ -161,11 +173,140 @@ def pack_micro_batch(prompt: tuple[np.ndarray, np.ndarray], response: tuple[np.n
         token_rows=torch.from_numpy(rows[seg[resp]]), behavior_logprobs=beh)
 
 
-def pack_rollouts(table: pa.Table, micro_batch_tokens: int) -> list[PackedMicroBatch]:
+# ---------------------------------------------------------------------- shared prefixes
+def _token_matrix(prompt: tuple[np.ndarray, np.ndarray], response: tuple[np.ndarray, np.ndarray],
+                  rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``[len(rows), L]`` int64 prompt+response tokens of ``rows`` (-1 past each sequence's end),
+    the sequence lengths and the prompt lengths."""
+    (pv, po), (rv, ro) = prompt, response
+    plen, rlen = po[rows + 1] - po[rows], ro[rows + 1] - ro[rows]
+    lens = plen + rlen
+    mat = np.full((rows.size, int(lens.max()) if rows.size else 0), -1, dtype=np.int64)
+    seg = np.repeat(np.arange(rows.size), lens)
+    pos = np.arange(seg.size, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+    in_p = pos < plen[seg]
+    sp, rp = seg[in_p], seg[~in_p]
+    mat[sp, pos[in_p]] = pv[po[rows][sp] + pos[in_p]]
+    mat[rp, pos[~in_p]] = rv[ro[rows][rp] + pos[~in_p] - plen[rp]]
+    return mat, lens, plen
+
+
+def prefix_order(mat: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of a token matrix (:func:`_token_matrix`) in lexicographic order, and each sorted
+    row's common prefix with the row before it (0 for the first). That is the depth-first order
+    of the sequences' prefix tree (trie): sorted row ``i`` shares its first ``lcp[i]`` tokens
+    with row ``i - 1`` (no earlier row shares more) and adds ``lens - lcp`` new nodes."""
+    n, width = mat.shape
+    order = np.lexsort(mat.T[::-1]) if n > 1 else np.arange(n)
+    lcp = np.zeros(n, dtype=np.int64)
+    if n > 1:
+        s, ls = mat[order], lens[order]
+        eq = (s[1:] == s[:-1]) & (np.arange(width)[None, :] < np.minimum(ls[1:], ls[:-1])[:, None])
+        lcp[1:] = np.where(eq.all(axis=1), width, eq.argmin(axis=1))
+    return order, lcp
+
+
+def pack_shared_micro_batch(prompt: tuple[np.ndarray, np.ndarray], response: tuple[np.ndarray, np.ndarray],
+                            rows: np.ndarray, behavior: Optional[tuple[np.ndarray, np.ndarray]] = None
+                            ) -> PackedMicroBatch:
+    """Pack ``rows`` with every shared prefix once: the nodes of the sequences' prefix tree.
+
+    Sequences that begin with the same tokens -- the ``n`` samples of a group share their
+    prompt, every prompt of a chat template shares its system prompt, samples often share their
+    first response tokens -- have the same hidden states there (causal attention, same
+    positions), so the packed row holds each distinct prefix token once, at its depth as
+    position id, and :func:`varlen_sdpa_attention` gives each sequence causal attention over
+    its own path through the tree (``path_index``, cut by ``cu_seqlens``). Response token ``k``
+    of a row is predicted from the node of its own token ``k - 1`` (``loss_index``; the last
+    prompt token's node is shared by the group). Exact: the same logprobs and gradients as
+    :func:`pack_micro_batch` to float tolerance, for ``N`` = tree nodes instead of the
+    sequences' summed lengths. As prefix sharing does for GRPO groups in "Prefix Grouper:
+    Efficient GRPO Training through Shared-Prefix Forward" (Liu et al., 2025), generalised
+    from the prompt to every common prefix. Falls back to :func:`pack_micro_batch` when no two
+    sequences share a token."""
+    rows = np.asarray(rows, dtype=np.int64)
+    mat, lens, plen = _token_matrix(prompt, response, rows)
+    if rows.size and int(plen.min()) < 1:
+        raise ValueError("every rollout row needs a non-empty prompt_ids (its last token predicts the first "
+                         "response token)")
+    order, lcp = prefix_order(mat, lens)
+    if not lcp.any():
+        return pack_micro_batch(prompt, response, rows, behavior)
+    n = rows.size
+    ls = lens[order]
+    new = ls - lcp
+    start = np.cumsum(new) - new
+    node_sorted = np.empty(mat.shape, dtype=np.int64)  # tree node of (sorted row, depth)
+    for i in range(n):  # one Python step per row, none per token
+        k, end = int(lcp[i]), int(ls[i])
+        node_sorted[i, :k] = node_sorted[i - 1, :k]
+        node_sorted[i, k:end] = start[i] + np.arange(end - k)
+    node = np.empty_like(node_sorted)
+    node[order] = node_sorted  # rows order
+    creator = np.repeat(order, new)  # the row that adds each node, nodes in packed order
+    depth = np.arange(int(new.sum()), dtype=np.int64) - np.repeat(start, new) + np.repeat(lcp, new)
+    cu = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lens, out=cu[1:])
+    vseg = np.repeat(np.arange(n), lens)
+    path_index = node[vseg, np.arange(int(cu[-1]), dtype=np.int64) - cu[vseg]]
+    rlen = lens - plen
+    rseg = np.repeat(np.arange(n), rlen)
+    k = np.arange(int(rlen.sum()), dtype=np.int64) - np.repeat(np.cumsum(rlen) - rlen, rlen)
+    at = plen[rseg] + k  # depth of response token k
+    beh = None
+    if behavior is not None:
+        bv, bo = behavior
+        if not np.array_equal(bo[rows + 1] - bo[rows], rlen):
+            raise ValueError("behavior_logprobs must have one entry per response token")
+        beh = torch.from_numpy(bv[bo[rows][rseg] + k].astype(np.float32, copy=False))
+    return PackedMicroBatch(
+        input_ids=torch.from_numpy(mat[creator, depth])[None], position_ids=torch.from_numpy(depth)[None],
+        cu_seqlens=torch.from_numpy(cu.astype(np.int32)), rows=torch.from_numpy(rows.copy()),
+        loss_index=torch.from_numpy(node[rseg, at - 1]), targets=torch.from_numpy(mat[rseg, at]),
+        token_rows=torch.from_numpy(rows[rseg]), behavior_logprobs=beh,
+        path_index=torch.from_numpy(path_index), owner=torch.from_numpy(cu[creator] + depth))
+
+
+def plan_shared_micro_batches(prompt: tuple[np.ndarray, np.ndarray], response: tuple[np.ndarray, np.ndarray],
+                              rows: np.ndarray, micro_batch_tokens: int) -> list[np.ndarray]:
+    """``rows`` (table indices) in micro-batches of at most ``micro_batch_tokens`` packed tokens,
+    a shared prefix counted once (:func:`pack_shared_micro_batch`).
+
+    Rows go in prefix-tree order; a row joins the micro-batch of the row before it when it fits
+    there with the prefix they share not counted, otherwise the first micro-batch it fits whole.
+    Without any shared prefix: :func:`plan_micro_batches`."""
+    rows = np.asarray(rows, dtype=np.int64)
+    mat, lens, _ = _token_matrix(prompt, response, rows)
+    order, lcp = prefix_order(mat, lens)
+    if not lcp.any() or micro_batch_tokens <= 0 or int(lens.max()) > micro_batch_tokens:
+        return [rows[p] for p in plan_micro_batches(lens, micro_batch_tokens)]  # (or its error naming the setting)
+    free: list[int] = []
+    members: list[list[int]] = []
+    prev_bin = -1
+    for i, j in enumerate(order.tolist()):
+        n = int(lens[j])
+        if prev_bin >= 0 and free[prev_bin] >= n - int(lcp[i]):
+            b, cost = prev_bin, n - int(lcp[i])
+        else:
+            b, cost = next((b for b, room in enumerate(free) if room >= n), len(free)), n
+            if b == len(free):
+                free.append(micro_batch_tokens)
+                members.append([])
+        free[b] -= cost
+        members[b].append(j)
+        prev_bin = b
+    return [np.sort(rows[np.asarray(m, dtype=np.int64)]) for m in members]
+
+
+def pack_rollouts(table: pa.Table, micro_batch_tokens: int, share_prefixes: bool = False) -> list[PackedMicroBatch]:
     """The rollout table's ``prompt_ids`` / ``response_ids`` / ``behavior_logprobs`` as
-    padding-free micro-batches of at most ``micro_batch_tokens`` tokens (see module docstring)."""
+    padding-free micro-batches of at most ``micro_batch_tokens`` tokens (see module docstring);
+    ``share_prefixes``: common prefixes once (:func:`pack_shared_micro_batch`)."""
     prompt, response = list_column(table, "prompt_ids"), list_column(table, "response_ids")
     behavior = list_column(table, "behavior_logprobs") if "behavior_logprobs" in table.column_names else None
+    if share_prefixes:
+        return [pack_shared_micro_batch(prompt, response, rows, behavior)
+                for rows in plan_shared_micro_batches(prompt, response, np.arange(table.num_rows), micro_batch_tokens)]
     seq_lens = np.diff(prompt[1]) + np.diff(response[1])
     return [pack_micro_batch(prompt, response, rows, behavior)
             for rows in plan_micro_batches(seq_lens, micro_batch_tokens)]
@@ -189,10 +330,20 @@ def varlen_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value:
     sdpa costs ``N^2``), in one kernel call instead of one per sequence (whose slicing made the
     backward zero-fill and add a full ``[1, heads, N, d]`` gradient per sequence). Sequences
     are bucketed (longest first) so that padding at most doubles a bucket's positions.
-    Without ``cu_seq_lens_q`` it is plain causal sdpa.
+    Without ``cu_seq_lens_q`` it is plain causal sdpa. With ``prorl_path_index`` / ``prorl_owner``
+    (a micro-batch with shared prefixes, :func:`pack_shared_micro_batch`) the sequences are
+    gathered along their paths first (``cu_seq_lens_q`` cuts the paths), and every packed
+    position takes the output of one path through it; gradients of a shared key / value add up
+    over the paths that attend to it.
     Returns ``([1, N, heads, d], None)`` as transformers' sdpa function does."""
     if attention_mask is not None:
         raise ValueError(f"{VARLEN_SDPA}: packed input takes no attention_mask (sequences are cut at cu_seq_lens_q)")
+    path_index = kwargs.pop("prorl_path_index", None)
+    if path_index is not None:  # shared prefixes: every sequence's path through the tree, then each node's output
+        owner = kwargs.pop("prorl_owner")
+        q, k, v = (x.index_select(2, path_index) for x in (query, key, value))
+        out, _ = varlen_sdpa_attention(module, q, k, v, None, dropout, scaling, cu_seq_lens_q=cu_seq_lens_q, **kwargs)
+        return out.index_select(1, owner), None
     groups = getattr(module, "num_key_value_groups", 1)
     p = dropout if module.training else 0.0
     if cu_seq_lens_q is not None and _flash_varlen_applies(query, p):
@@ -307,6 +458,21 @@ def _length_buckets(lens: np.ndarray) -> list[np.ndarray]:
     return buckets
 
 
+@contextlib.contextmanager
+def attn_implementation(config, impl: str):
+    """``config._attn_implementation`` set to ``impl`` for the duration (the padded path and
+    generation keep the model's own)."""
+    before = config._attn_implementation
+    if before == impl:
+        yield
+        return
+    config._attn_implementation = impl
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
 def _no_mask(*args, **kwargs):
     return None  # varlen attention cuts sequences itself: no N x N mask is built
 
@@ -326,7 +492,10 @@ def packed_attention_kwargs(mb: "PackedMicroBatch", device) -> dict:
     function (flash-attention's varlen names, also read by :func:`varlen_sdpa_attention`)."""
     cu = mb.cu_seqlens.to(device=device, dtype=torch.int32)
     longest = int((mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).max())
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+    kw = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+    if mb.path_index is not None:  # shared prefixes: only varlen_sdpa_attention reads these
+        kw.update(prorl_path_index=mb.path_index.to(device), prorl_owner=mb.owner.to(device))
+    return kw
 
 
 def packed_logprobs(model, mb: PackedMicroBatch, *, temperature: float = 1.0, chunk_tokens: int = 1024,
@@ -334,13 +503,19 @@ def packed_logprobs(model, mb: PackedMicroBatch, *, temperature: float = 1.0, ch
     """Logprobs ``[M]`` (and entropy ``[M]``) of ``mb``'s response tokens under an HF causal LM.
 
     Runs the decoder body (``model.model``) on the packed row with ``position_ids`` and no
-    attention mask (transformers then keeps attention within each sequence), picks the
+    attention mask (transformers then keeps attention within each sequence; a micro-batch with
+    shared prefixes goes through :func:`varlen_sdpa_attention` with its paths), picks the
     hidden states of the response positions and applies the LM head in chunks
     (:func:`~prorl_async.algo.token_logprobs.token_logprobs`); float32, differentiable.
     """
     from prorl_async.algo.token_logprobs import token_logprobs
 
-    hidden = model.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).last_hidden_state
+    if mb.path_index is None:
+        hidden = model.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).last_hidden_state
+    else:  # shared prefixes: the paths go to varlen_sdpa_attention
+        with attn_implementation(model.config, register_varlen_sdpa()):
+            hidden = model.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
+                                 **packed_attention_kwargs(mb, mb.input_ids.device)).last_hidden_state
     head = model.get_output_embeddings()
     h = hidden[0].index_select(0, mb.loss_index)
     return token_logprobs(h, head.weight, mb.targets, bias=head.bias, temperature=temperature,

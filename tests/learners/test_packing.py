@@ -1,5 +1,6 @@
 """Sequence packing from Arrow offsets: packed logprobs, PPO loss and gradients equal the padded
-full-logits path on the built-in tiny model and on random Llamas (sdpa and eager attention)."""
+full-logits path on the built-in tiny model and on random Llamas (sdpa and eager attention), with
+and without shared prefixes (each common prefix of a micro-batch's sequences packed once)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import pytest
 import torch
 
 from prorl_async.algo.losses import policy_loss
-from prorl_async.learners.packing import (list_column, pack_micro_batch, pack_rollouts, packed_logprobs,
-                                          plan_micro_batches)
+from prorl_async.learners.packing import (list_column, pack_micro_batch, pack_rollouts, pack_shared_micro_batch,
+                                          packed_logprobs, plan_micro_batches, plan_shared_micro_batches)
 from tests.learners._batches import graded_table
 
 
@@ -59,6 +60,69 @@ def test_packed_layout_positions_restart_and_targets_are_the_response_tokens():
     assert mb.behavior_logprobs.tolist() == pytest.approx(sum([beh[r] for r in rows], []))
 
 
+def _with_shared_openings(table):
+    """``table`` plus a copy of each group's first two rows whose response is the first one's
+    opening followed by other tokens, and one exact duplicate: prefixes shared past the prompt."""
+    from tests.learners._batches import graded_table as _  # noqa: F401  (same schema)
+    extra = []
+    responses = table.column("response_ids").to_pylist()
+    for i in range(0, table.num_rows, 3):
+        row = table.slice(i, 1).to_pylist()[0]
+        resp = responses[i]
+        row["response_ids"] = resp[: max(1, len(resp) // 2)] + [7, 8, 2]
+        row["behavior_logprobs"] = [-0.5] * len(row["response_ids"])
+        row["sample_id"] += "-opening"
+        extra.append(row)
+    extra.append({**table.slice(1, 1).to_pylist()[0], "sample_id": "duplicate"})
+    return pa.concat_tables([table, pa.Table.from_pylist(extra, schema=table.schema)]).combine_chunks()
+
+
+def test_shared_prefix_layout_is_the_prefix_tree_of_the_sequences():
+    t = _with_shared_openings(graded_table(groups=3, n=3, seed=2))
+    prompt, response, beh = (list_column(t, c) for c in ("prompt_ids", "response_ids", "behavior_logprobs"))
+    rows = np.arange(t.num_rows)
+    mb = pack_shared_micro_batch(prompt, response, rows, beh)
+    prompts, responses = t.column("prompt_ids").to_pylist(), t.column("response_ids").to_pylist()
+    seqs = [prompts[r] + responses[r] for r in rows]
+    # one packed token per distinct prefix: the nodes of the sequences' prefix tree
+    prefixes = {tuple(s[:d + 1]) for s in seqs for d in range(len(s))}
+    assert mb.num_tokens == len(prefixes) < sum(len(s) for s in seqs) - 2 * 3 * 4
+    assert mb.sequence_tokens == sum(len(s) for s in seqs)
+    ids, pos, path = mb.input_ids[0], mb.position_ids[0], mb.path_index
+    cu = mb.cu_seqlens.tolist()
+    for j, s in enumerate(seqs):  # each sequence's path spells it, at positions 0..L-1
+        p = path[cu[j]:cu[j + 1]]
+        assert ids[p].tolist() == s and pos[p].tolist() == list(range(len(s)))
+    assert torch.equal(path[mb.owner], torch.arange(mb.num_tokens))  # every node output from a path through it
+    assert mb.targets.tolist() == sum(responses, [])
+    # response token k is predicted from the node of the token before it on the row's own path
+    at = torch.cat([torch.arange(len(prompts[r]) - 1, len(seqs[r]) - 1) + cu[r] for r in rows])
+    assert torch.equal(mb.loss_index, path[at])
+    assert mb.token_rows.tolist() == sum([[r] * len(responses[r]) for r in rows], [])
+    assert mb.behavior_logprobs.tolist() == pytest.approx(sum(t.column("behavior_logprobs").to_pylist(), []))
+    # no shared token: exactly the plain packing
+    prompt = (np.array([5, 6, 7, 8]), np.array([0, 2, 4]))
+    response = (np.array([9, 10, 11]), np.array([0, 1, 3]))
+    solo = pack_shared_micro_batch(prompt, response, np.array([0, 1]))
+    plain = pack_micro_batch(prompt, response, np.array([0, 1]))
+    assert solo.path_index is None and torch.equal(solo.input_ids, plain.input_ids)
+
+
+def test_shared_plan_counts_a_shared_prefix_once_and_keeps_every_row_once():
+    t = graded_table(groups=6, n=4, seed=7, prompt_len=12, max_resp=6)
+    prompt, response = list_column(t, "prompt_ids"), list_column(t, "response_ids")
+    rows = np.arange(t.num_rows)
+    lens = np.diff(prompt[1]) + np.diff(response[1])
+    plain = plan_micro_batches(lens, 40)
+    shared = plan_shared_micro_batches(prompt, response, rows, 40)
+    assert sorted(np.concatenate(shared).tolist()) == rows.tolist()
+    sizes = [pack_shared_micro_batch(prompt, response, m).num_tokens for m in shared]
+    assert max(sizes) <= 40 < max(int(lens[m].sum()) for m in shared)  # over budget unless shared once
+    assert len(shared) < len(plain)
+    with pytest.raises(ValueError, match="train.micro_batch_tokens=8"):
+        plan_shared_micro_batches(prompt, response, rows, 8)
+
+
 def _padded_logprobs(model, table, temperature=1.0):
     """The padded reference: right-padded rows, attention mask, full fp32 log-softmax."""
     prompts, responses = table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist()
@@ -83,7 +147,7 @@ def _ppo_loss(logp, old, adv, num_tokens):
     return loss
 
 
-def _compare(model, table, micro_batch_tokens, temperature=1.0, atol=2e-5):
+def _compare(model, table, micro_batch_tokens, temperature=1.0, atol=2e-5, share=False):
     n_tokens = sum(len(r) for r in table.column("response_ids").to_pylist())
     g = torch.Generator().manual_seed(0)
     adv_rows = torch.randn(table.num_rows, generator=g)
@@ -97,8 +161,11 @@ def _compare(model, table, micro_batch_tokens, temperature=1.0, atol=2e-5):
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
 
     model.zero_grad()
-    mbs = pack_rollouts(table, micro_batch_tokens)
+    mbs = pack_rollouts(table, micro_batch_tokens, share_prefixes=share)
     assert len(mbs) > 1 and all(mb.num_tokens <= micro_batch_tokens for mb in mbs)
+    if share:  # the prompts (and some openings) were packed once per micro-batch
+        assert all(mb.path_index is not None for mb in mbs)
+        assert sum(mb.num_tokens for mb in mbs) < 0.8 * sum(mb.sequence_tokens for mb in mbs)
     total, got = 0.0, [None] * table.num_rows
     for mb in mbs:
         logp, _ = packed_logprobs(model, mb, temperature=temperature, chunk_tokens=7)
@@ -117,16 +184,20 @@ def _compare(model, table, micro_batch_tokens, temperature=1.0, atol=2e-5):
     return err
 
 
-def test_packed_equals_padded_on_the_builtin_tiny_model(tiny_model):
+@pytest.mark.parametrize("share", [False, True], ids=["plain", "shared-prefixes"])
+def test_packed_equals_padded_on_the_builtin_tiny_model(tiny_model, share):
     from prorl_async.models import load_model
 
     model = load_model(tiny_model, "float32")
     table = graded_table(groups=4, n=4, seed=3, vocab=20)
-    _compare(model, table, micro_batch_tokens=40, temperature=0.8)
+    if share:
+        table = _with_shared_openings(table)
+    _compare(model, table, micro_batch_tokens=40, temperature=0.8, share=share)
 
 
+@pytest.mark.parametrize("share", [False, True], ids=["plain", "shared-prefixes"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_packed_equals_padded_on_a_random_llama(attn):
+def test_packed_equals_padded_on_a_random_llama(attn, share):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -135,7 +206,7 @@ def test_packed_equals_padded_on_a_random_llama(attn):
                       tie_word_embeddings=False, attn_implementation=attn)
     model = LlamaForCausalLM(cfg)
     table = graded_table(groups=5, n=3, seed=4, vocab=300, prompt_len=9, max_resp=20)
-    err = _compare(model, table, micro_batch_tokens=64)
+    err = _compare(model, _with_shared_openings(table) if share else table, micro_batch_tokens=64, share=share)
     print(f"{attn}: max |packed - padded| logprob = {err:.1e}")
 
 
