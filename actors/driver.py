@@ -90,7 +90,8 @@ class TrainingLoop:
                 rows, seed = s.retry.pop(0)
                 self._request(i, rows, seed)
         for i, k in plan_requests(s.gen_version, s.gen_busy, cfg.train.max_staleness, cfg.train.prompts_per_step,
-                                  cfg.rollout.prompts_per_request, s.consumed, s.live):
+                                  cfg.rollout.prompts_per_request, s.consumed, s.live,
+                                  max_groups=cfg.train.total_steps * cfg.train.prompts_per_step):
             seed = cfg.rollout.seed * 1_000_003 + s.requests
             s.requests += 1
             self._request(i, self.source.next(k), seed)

@@ -14,6 +14,8 @@ With ``max_staleness = 0`` this is the synchronous, on-policy schedule.
 
 from __future__ import annotations
 
+from typing import Optional
+
 
 def admission_budget(generator_version: int, max_staleness: int, prompts_per_step: int,
                      consumed: int, live: int) -> int:
@@ -27,18 +29,24 @@ def staleness(learner_version: int, policy_version: int) -> int:
 
 
 def plan_requests(generator_versions: list[int], generator_busy: list[bool], max_staleness: int,
-                  prompts_per_step: int, prompts_per_request: int, consumed: int, live: int) -> list[tuple[int, int]]:
+                  prompts_per_step: int, prompts_per_request: int, consumed: int, live: int,
+                  max_groups: Optional[int] = None) -> list[tuple[int, int]]:
     """``(generator index, prompts)`` of every request that may start now, in generator order.
 
     Each idle generator gets ``min(prompts_per_request, budget)`` prompts while its admission
-    budget is positive; planned requests count as live for the generators after it. This is
-    the driver's dispatch rule, shared with the scale simulation (``benchmarks/bench_scale_sim.py``).
+    budget is positive; planned requests count as live for the generators after it.
+    ``max_groups`` (the run's ``total_steps * prompts_per_step``) caps consumed + live: no group
+    is generated that no remaining step would train (a group dynamic sampling drops leaves
+    ``live`` and makes room for its refill). This is the driver's dispatch rule, shared with
+    the scale simulation (``benchmarks/bench_scale_sim.py``).
     """
     plan = []
     for i, (version, busy) in enumerate(zip(generator_versions, generator_busy)):
         if busy:
             continue
         budget = admission_budget(version, max_staleness, prompts_per_step, consumed, live)
+        if max_groups is not None:
+            budget = min(budget, max_groups - consumed - live)
         if budget < 1:
             continue
         k = min(prompts_per_request, budget)

@@ -31,3 +31,12 @@ def test_plan_matches_budget_rule_step_by_step():
             expected.append((i, min(4, budget)))
             live += min(4, budget)
     assert plan == expected
+
+
+def test_no_group_is_planned_beyond_the_runs_last_step():
+    # 3 steps of 4 prompts, max_staleness=1: at consumed=8 (version 2) the slack would allow 8 more,
+    # the run needs only its last 4; a dropped group (live back to 3) makes room for its refill
+    assert plan_requests([2, 2], [False, False], 1, 4, 3, consumed=8, live=0) == [(0, 3), (1, 3)]
+    assert plan_requests([2, 2], [False, False], 1, 4, 3, consumed=8, live=0, max_groups=12) == [(0, 3), (1, 1)]
+    assert plan_requests([2], [False], 1, 4, 3, consumed=8, live=4, max_groups=12) == []
+    assert plan_requests([2], [False], 1, 4, 3, consumed=8, live=3, max_groups=12) == [(0, 1)]
