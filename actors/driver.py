@@ -117,8 +117,8 @@ class TrainingLoop:
     def on_buffered(self, k: int, ref) -> None:
         info, s, w = ray.get(ref), self.s, self.s.window
         s.grader_down = False
-        s.live -= info["dropped"]
-        s.buffered += info["kept"]
+        s.live -= k - info["kept"]  # requested prompts that are not a kept group now (dropped, or merged:
+        s.buffered += info["kept"]   # a request across an epoch boundary can hold a prompt twice, one group)
         for key, v in info["stats"].items():
             w[key] += v
         for reason, count in info["invalid_reasons"].items():  # cumulative, and since the last step

@@ -128,7 +128,8 @@ def run_prorl(args, work: Path) -> list[dict]:
                         "generated_samples": sum(h["perf/samples_s"] * h["perf/step_s"] for h in hist),
                         "trained_samples": summary["steps"] * cfg.samples_per_step,
                         "step_s": [round(h["perf/step_s"], 1) for h in hist],
-                        "curve": [(h["step"], h["time"], h["reward/mean"]) for h in hist],
+                        # an asynchronous run's last step grades nothing new: no reward/mean there
+                        "curve": [(h["step"], h["time"], h["reward/mean"]) for h in hist if "reward/mean" in h],
                         "val_before": summary["before"].get("val/pass@1"),
                         "val_after": summary["after"].get("val/pass@1"),
                         "eval_before": summary["before"], "eval_after": summary["after"],

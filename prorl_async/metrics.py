@@ -26,15 +26,19 @@ def is_correct(reward):
 
 def rollout_metrics(window: dict, dt: float) -> dict[str, float]:
     """Rollout metrics of one learner step from the sums ``window`` gathered since the last one
-    (``samples``, ``valid``, ``correct``, ``reward_sum``, ``response_tokens``, ``gen_time_s``), over ``dt`` seconds."""
+    (``samples``, ``valid``, ``correct``, ``reward_sum``, ``response_tokens``, ``gen_time_s``), over ``dt`` seconds.
+    Means over no sample are left out, not reported as 0: an asynchronous run's last step, whose
+    batch was generated during the step before it, grades nothing new."""
     w = defaultdict(float, window)
     dt = max(dt, 1e-9)
-    valid = max(w["valid"], 1.0)
+    means = {}
+    if w["valid"]:
+        means.update({"reward/mean": w["reward_sum"] / w["valid"], "reward/accuracy": w["correct"] / w["valid"]})
+    if w["samples"]:
+        means["len/generated_mean"] = w["response_tokens"] / w["samples"]
     return {
-        "reward/mean": w["reward_sum"] / valid,
-        "reward/accuracy": w["correct"] / valid,
+        **means,
         "reward/invalid": w["samples"] - w["valid"],
-        "len/generated_mean": w["response_tokens"] / max(w["samples"], 1.0),
         "perf/gen_tok_s": w["response_tokens"] / dt,
         # per second the engines spent generating (each request's generate() wall time): an
         # engine's own speed inside the run, comparable with the engine measured alone

@@ -55,11 +55,16 @@ def test_cli_run_both_modes(tmp_path, model_cache, staleness):
     assert (run_dir / "config.yaml").is_file() and (run_dir / "final" / "config.json").is_file()
     # the Aim run can be read back
     metrics = _aim_metrics(tmp_path / "aim", summary["aim_run_hash"])
+    # rollout means of the samples graded during each step: every step of the synchronous run; in the
+    # asynchronous run a batch is graded during an earlier step than the one that trains it, and nothing
+    # is generated that no step trains, so a step (the last, at least) may grade nothing: no reward mean
+    graded = [h["step"] for h in history if h["grader/responses"] > 0]
+    assert graded == [1, 2, 3, 4] if not staleness else (graded[0] == 1 and len(graded) >= 2)
     values = metrics[("reward/mean", ())]
-    assert len(values) == 4 and all(math.isfinite(v) for v in values)
+    assert len(values) == len(graded) and all(math.isfinite(v) for v in values)
     assert ("val/pass@1", (("split", "eval"),)) in metrics
     # grader health at every step: responses graded since the last step, and the failure counters
-    assert all(h["grader/responses"] > 0 and h["grader/timeouts"] == 0 for h in history)
+    assert all(h["grader/timeouts"] == 0 for h in history)
     for name in ("grader/responses", "grader/timeouts", "grader/errors", "grader/restarts", "grader/queue_wait_s"):
         assert len(metrics[(name, ())]) == 4, name
     domains = {dict(ctx).get("domain") for name, ctx in metrics if name == "reward/accuracy"} - {None}

@@ -21,8 +21,11 @@ def test_rollout_metrics_from_window_sums():
     assert m["len/generated_mean"] == 10.0 and m["perf/gen_tok_s"] == 40.0 and m["perf/samples_s"] == 4.0
     assert m["perf/gen_engine_tok_s"] == 160.0  # 80 tokens in 0.5 s of engine time (the step took 2 s)
     assert m["perf/step_s"] == 2.0
-    empty = rollout_metrics({}, dt=0.0)  # no samples yet: zeros, not a division by zero
-    assert empty["reward/mean"] == 0.0 and empty["perf/step_s"] == 1e-9 and empty["perf/gen_engine_tok_s"] == 0.0
+    empty = rollout_metrics({}, dt=0.0)  # no samples: no means (not a fake 0), no division by zero
+    assert not {"reward/mean", "reward/accuracy", "len/generated_mean"} & set(empty)
+    assert empty["perf/step_s"] == 1e-9 and empty["perf/gen_engine_tok_s"] == 0.0 and empty["reward/invalid"] == 0.0
+    invalid = rollout_metrics({"samples": 3.0, "response_tokens": 6.0}, dt=1.0)  # graded, none valid
+    assert "reward/mean" not in invalid and invalid["reward/invalid"] == 3.0 and invalid["len/generated_mean"] == 2.0
 
 
 def test_domain_metrics():

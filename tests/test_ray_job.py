@@ -231,7 +231,9 @@ def test_submit_short_training_job(head):
     (run,) = open_runs([str(run_dir)])
     assert run.hash == summary["aim_run_hash"] and run.label == "ray-job-test"
     assert run.hparams["train"]["total_steps"] == 3
-    assert run.series("reward/mean").steps == [1, 2, 3]
+    assert run.series("actor/pg_loss").steps == [1, 2, 3]
+    steps = run.series("reward/mean").steps  # an asynchronous step that graded nothing has no reward mean
+    assert steps[0] == 1 and set(steps) <= {1, 2, 3}
 
 
 PLACEMENT_SCRIPT = r"""
