@@ -49,8 +49,9 @@ def test_cpu_generator_engine_runs_inline_and_polls_no_core(ray_cluster, smollm2
     from prorl_async.config import load_config
     from prorl_async.data import chat_arith
 
+    # one generator thread (the config runs 2): on 2 cores, 2 computing threads would hide a polling core
     cfg = load_config(str(ROOT / "configs" / "smollm2_cpu.yaml"),
-                      [f"model.path={smollm2_model}", "rollout.max_new_tokens=48"])
+                      [f"model.path={smollm2_model}", "rollout.max_new_tokens=48", "rollout.num_threads=1"])
     assert cfg.rollout.vllm_engine_core == "auto" and cfg.rollout.generator_num_gpus == 0
     gen = GeneratorActor.options(num_cpus=1, max_restarts=0).remote(cfg, smollm2_model, 0)
     try:
@@ -77,7 +78,7 @@ def test_cpu_generator_engine_runs_inline_and_polls_no_core(ray_cluster, smollm2
         gen_cpu, gen_wall = cpu_seconds(tree) - c0, time.monotonic() - t0
         tokens = sum(len(r) for r in batch.column("response_ids").to_pylist())
         assert batch.num_rows == 8 * cfg.rollout.n and tokens >= batch.num_rows, tokens
-        # one torch thread (train.num_threads=1) computes; a polling engine core would add up to a
+        # one torch thread (rollout.num_threads=1) computes; a polling engine core would add up to a
         # second core (measured 1.2-2.0 CPU s per wall second with vLLM's multiprocess engine)
         assert gen_cpu <= 1.15 * gen_wall + 0.2, f"generating used {gen_cpu:.2f} CPU s in {gen_wall:.2f} s"
         print(f"idle {idle_cpu:.2f} CPU s / {idle_wall:.1f} s; generating {tokens} tokens: "
