@@ -61,9 +61,8 @@ def test_packed_layout_positions_restart_and_targets_are_the_response_tokens():
 
 
 def _with_shared_openings(table):
-    """``table`` plus a copy of each group's first two rows whose response is the first one's
-    opening followed by other tokens, and one exact duplicate: prefixes shared past the prompt."""
-    from tests.learners._batches import graded_table as _  # noqa: F401  (same schema)
+    """``table`` plus, for every third row, a copy whose response is that row's opening (its first
+    half) followed by other tokens, and one exact duplicate of row 1: prefixes shared past the prompt."""
     extra = []
     responses = table.column("response_ids").to_pylist()
     for i in range(0, table.num_rows, 3):
