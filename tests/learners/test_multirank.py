@@ -80,7 +80,9 @@ def test_two_ranks_match_one_rank_over_three_steps(tiny_model, tmp_path, zero, d
     w1, w2 = one[0]["weights"], two[0]["weights"]
     assert w1.keys() == w2.keys()
     for n in w1:
-        torch.testing.assert_close(w2[n], w1[n], rtol=1e-5, atol=1e-6)
+        # float noise: with shared prefixes (train.share_prefixes) a rank packs the prefix tree of its own
+        # groups, so the two runs add gradients in another order (CI: 1 of 16,384 weights 1.3e-6 apart)
+        torch.testing.assert_close(w2[n], w1[n], rtol=1e-5, atol=3e-6)
     from prorl_async.models import load_model
 
     init = dict(load_model(tiny_model, "float32").named_parameters())
