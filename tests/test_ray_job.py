@@ -31,18 +31,15 @@ BIN = Path(sys.executable).parent
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _free_range(n: int) -> int:
-    """Start of ``n`` consecutive ports that are free right now (worker ports)."""
+def _free_block(n: int) -> int:
+    """Start of ``n`` consecutive ports that are free right now, below the kernel's ephemeral range
+    (32768+), so no port it hands out to another socket meanwhile (Ray's own ``0`` ports included)
+    can land inside. Every port of the head comes from this one block: none can collide with another
+    (CI saw a randomly picked agent port fall inside the worker-port range, and ``ray start`` refuse)."""
     for _ in range(200):
-        lo = 20000 + secrets.randbelow(30000)
+        lo = 20000 + secrets.randbelow(12000 - n)
+        socks = []
         try:
-            socks = []
             for p in range(lo, lo + n):
                 s = socket.socket()
                 socks.append(s)
@@ -53,7 +50,7 @@ def _free_range(n: int) -> int:
         finally:
             for s in socks:
                 s.close()
-    raise RuntimeError("no free port range")
+    raise RuntimeError("no free port block")
 
 
 def _tagged_pids(tag: str) -> list[int]:
@@ -78,7 +75,6 @@ class Head:
         self.home.mkdir()
         self.tag = secrets.token_hex(8)
         self.token = secrets.token_hex(32)
-        self.dashboard_port = _free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         env.update({
             "HOME": str(self.home),
@@ -90,14 +86,16 @@ class Head:
         })
         env.pop("PYTHONPATH", None)
         self.env = env
-        lo = _free_range(64)
+        lo = _free_block(64 + 10)  # 64 worker ports, then one port per component
+        port = iter(range(lo + 64, lo + 74))
+        self.dashboard_port = next(port)
         self.cmd = [
             str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-            f"--port={_free_port()}", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
-            f"--ray-client-server-port={_free_port()}", f"--node-manager-port={_free_port()}",
-            f"--object-manager-port={_free_port()}", f"--min-worker-port={lo}", f"--max-worker-port={lo + 63}",
-            f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
-            f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
+            f"--port={next(port)}", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
+            f"--ray-client-server-port={next(port)}", f"--node-manager-port={next(port)}",
+            f"--object-manager-port={next(port)}", f"--min-worker-port={lo}", f"--max-worker-port={lo + 63}",
+            f"--dashboard-agent-listen-port={next(port)}", f"--dashboard-agent-grpc-port={next(port)}",
+            f"--metrics-export-port={next(port)}", f"--runtime-env-agent-port={next(port)}",
             f"--temp-dir={self.tmp / 'r'}", "--num-cpus=4", "--num-gpus=0", "--include-dashboard=true",
             "--disable-usage-stats",
         ]
