@@ -401,17 +401,24 @@ class LearnerCore:
         (padded path), or with packing index arrays of rows holding at most
         ``train.micro_batch_tokens`` prompt+response tokens (first-fit decreasing; a sequence
         longer than that gets a micro-batch of its own), a shared prefix counted once with
-        ``train.share_prefixes`` (rows in prefix-tree order)."""
+        ``train.share_prefixes`` (rows in prefix-tree order). Planned once per batch and slice
+        (kept in ``b``): a step asks for the same plan for its mini-batches, the rank's count of
+        micro-batches and each no-grad pass, and a shared-prefix plan sorts every row."""
         if rows.start >= rows.stop:
             return []
         if not self.packing:
             mbs = self.ops.micro
             return [slice(i, min(rows.stop, i + mbs)) for i in range(rows.start, rows.stop, mbs)]
-        lens = b["seq_lens"][rows]
-        budget = max(self.cfg.train.micro_batch_tokens, int(lens.max()))
-        if self.cfg.train.share_prefixes:
-            return plan_shared_micro_batches(b["_prompt"], b["_response"], np.arange(rows.start, rows.stop), budget)
-        return [p + rows.start for p in plan_micro_batches(lens, budget)]
+        cache = b.setdefault("_plans", {})
+        if (rows.start, rows.stop) not in cache:
+            lens = b["seq_lens"][rows]
+            budget = max(self.cfg.train.micro_batch_tokens, int(lens.max()))
+            if self.cfg.train.share_prefixes:
+                plan = plan_shared_micro_batches(b["_prompt"], b["_response"], np.arange(rows.start, rows.stop), budget)
+            else:
+                plan = [p + rows.start for p in plan_micro_batches(lens, budget)]
+            cache[(rows.start, rows.stop)] = plan
+        return cache[(rows.start, rows.stop)]
 
     def _dummy_rows(self):
         return np.zeros(1, dtype=np.int64) if self.packing else slice(0, 1)

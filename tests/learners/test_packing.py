@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from prorl_async.algo.losses import policy_loss
-from prorl_async.learners.packing import (list_column, pack_micro_batch, pack_rollouts, pack_shared_micro_batch,
-                                          packed_logprobs, plan_micro_batches, plan_shared_micro_batches)
+from prorl_async.learners.packing import (_token_matrix, list_column, pack_micro_batch, pack_rollouts,
+                                          pack_shared_micro_batch, packed_logprobs, plan_micro_batches,
+                                          plan_shared_micro_batches, prefix_order)
 from tests.learners._batches import graded_table
 
 
@@ -105,6 +106,40 @@ def test_shared_prefix_layout_is_the_prefix_tree_of_the_sequences():
     solo = pack_shared_micro_batch(prompt, response, np.array([0, 1]))
     plain = pack_micro_batch(prompt, response, np.array([0, 1]))
     assert solo.path_index is None and torch.equal(solo.input_ids, plain.input_ids)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_prefix_order_is_a_trie_order_with_the_longest_common_prefixes(seed):
+    """Checked against a brute force over every pair: rows that are prefixes of other rows,
+    duplicates, token ids up to 2**31 - 1 and 0 (the byte-string sort must not confuse them with
+    the end marker), sequences of different lengths."""
+    rng = np.random.default_rng(seed)
+    stems = [rng.integers(0, 3, size=int(rng.integers(1, 6))).tolist() for _ in range(4)]
+    seqs = []
+    for _ in range(40):
+        s = list(stems[int(rng.integers(0, 4))]) + rng.choice([0, 1, 2**31 - 1], size=int(rng.integers(0, 6))).tolist()
+        seqs.append(s + [7] if not s else s)
+    seqs += [seqs[3], seqs[3][:1] or [0]]  # a duplicate, and a prefix of another row
+    cut = [int(rng.integers(1, len(s) + 1)) for s in seqs]  # split each into prompt and response
+    off = lambda parts: np.concatenate([[0], np.cumsum([len(x) for x in parts])]).astype(np.int64)
+    prompts, responses = [s[:c] for s, c in zip(seqs, cut)], [s[c:] for s, c in zip(seqs, cut)]
+    prompt = (np.array(sum(prompts, []), dtype=np.int32), off(prompts))
+    response = (np.array(sum(responses, []), dtype=np.int32), off(responses))
+    mat, lens, _ = _token_matrix(prompt, response, np.arange(len(seqs)))
+    order, lcp = prefix_order(mat, lens)
+    assert sorted(order.tolist()) == list(range(len(seqs)))
+
+    def common(a, b):
+        k = 0
+        while k < min(len(a), len(b)) and a[k] == b[k]:
+            k += 1
+        return k
+
+    for i in range(1, len(seqs)):
+        here = seqs[order[i]]
+        assert lcp[i] == common(here, seqs[order[i - 1]])
+        assert lcp[i] == max(common(here, seqs[order[j]]) for j in range(i))  # no earlier row shares more
+    assert lcp[0] == 0
 
 
 def test_shared_plan_counts_a_shared_prefix_once_and_keeps_every_row_once():
