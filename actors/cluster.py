@@ -17,7 +17,7 @@ from pathlib import Path
 
 import ray
 
-from prorl_async.config import Config
+from prorl_async.config import Config, actor_runtime_env
 
 from actors.generator import GeneratorActor
 from actors.grader import GraderActor
@@ -114,7 +114,7 @@ def generator_placement(cfg: Config, index: int, timeout_s: float = PLACEMENT_TI
     here with the numbers instead of leaving the actor pending.
     """
     r = cfg.rollout
-    opts = {"num_cpus": r.generator_num_cpus, "num_gpus": r.generator_num_gpus}
+    opts = {"num_cpus": r.generator_num_cpus, "num_gpus": r.generator_num_gpus, **actor_runtime_env(cfg)}
     if r.generator_num_gpus <= 1:
         return opts, None
     from ray.util.placement_group import placement_group, remove_placement_group

@@ -9,6 +9,7 @@ import ray
 import torch
 
 from actors.replay_buffer import BatchRefs
+from prorl_async.config import actor_runtime_env
 from prorl_async.learners.files import load_learner, write_learner
 from prorl_async.learners.core import shard_groups, sync_device
 from prorl_async.learners.torch_learner import TorchLearner
@@ -207,7 +208,8 @@ def start_learner(cfg, model_path: str, name: str = ""):
     last checkpoint as it was, rather than coming back without its optimizer state."""
     t = cfg.train
     named = {"name": name} if name else {}
+    env = actor_runtime_env(cfg)  # OMP_WAIT_POLICY; a LearnerGroup's ranks inherit it
     if t.num_learners == 1:
         return LearnerActor.options(num_cpus=t.learner_num_cpus, num_gpus=t.learner_num_gpus,
-                                    max_restarts=0, **named).remote(cfg, model_path)
-    return LearnerGroup.options(num_cpus=0, max_restarts=0, **named).remote(cfg, model_path)
+                                    max_restarts=0, **named, **env).remote(cfg, model_path)
+    return LearnerGroup.options(num_cpus=0, max_restarts=0, **named, **env).remote(cfg, model_path)

@@ -10,6 +10,7 @@ directory (``config.yaml``) and checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from prorl_async.engines.base import VLLM_ENGINE_CORES
 
 #: ``train.compile`` (prorl_async.learners.compile)
 COMPILE_CHOICES = ("auto", "always", "never")
+OMP_WAIT_POLICIES = ("auto", "passive", "active", "keep")
 
 
 class ConfigError(ValueError):
@@ -176,6 +178,7 @@ class RayConfig:
     num_cpus: int = _f(0, "CPUs of a locally started Ray (0 = all)")
     weight_sync_backend: str = _f("auto", "weight-sync transport: auto (ipc when learner and generators share one GPU, nccl on separate GPUs, gloo on CPU), gloo, nccl, or ipc (handles to the learner's memory: CUDA IPC on one GPU, shared memory on CPU; one node)")
     weight_sync_port: int = _f(0, "TCP port of the weight-sync store (0 = pick a free one)")
+    omp_wait_policy: str = _f("auto", "OpenMP wait policy (OMP_WAIT_POLICY) of the CPU learner and generators: auto = passive when their torch threads together outnumber this machine's CPUs (a thread spinning at a barrier holds the core another actor's thread needs), else the environment's; passive; active; or keep (the environment's)")
 
 
 @dataclass(frozen=True)
@@ -302,12 +305,42 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
 
 def resolve_auto(cfg: Config) -> Config:
     """``model.dtype: auto`` -> the dtype that fits this machine (:func:`prorl_async.models.resolve_dtype`),
-    so that the engines and the learner (and the saved config) see one concrete dtype."""
-    if cfg.model.dtype != "auto":
-        return cfg
-    from prorl_async.models import machine_dtype
+    so that the engines and the learner (and the saved config) see one concrete dtype;
+    ``ray.omp_wait_policy: auto`` -> :func:`machine_omp_wait_policy`."""
+    if cfg.model.dtype == "auto":
+        from prorl_async.models import machine_dtype
 
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=machine_dtype("auto")))
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=machine_dtype("auto")))
+    if cfg.ray.omp_wait_policy == "auto":
+        cfg = dataclasses.replace(cfg, ray=dataclasses.replace(cfg.ray, omp_wait_policy=machine_omp_wait_policy(cfg)))
+    return cfg
+
+
+def machine_omp_wait_policy(cfg: Config) -> str:
+    """``passive`` when the torch threads of the run's CPU actors (learners, generators) together
+    outnumber this machine's CPUs, else ``keep``; ``keep`` too when ``OMP_WAIT_POLICY`` is set.
+
+    libgomp lets a thread that waits at a barrier spin (300,000 polls) before it sleeps, and
+    throttles that when one process has more threads than CPUs; it cannot see the other actors.
+    A learner and a generator of 2 threads each on 2 cores would spin on the cores the other
+    one's threads need, at every parallel region."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        return "keep"
+    t, r = cfg.train, cfg.rollout
+    threads = (t.num_threads * t.num_learners if t.learner_num_gpus == 0 else 0) + \
+        (r.num_generators * (r.num_threads or t.num_threads) if r.generator_num_gpus == 0 else 0)
+    return "passive" if threads > len(os.sched_getaffinity(0)) else "keep"
+
+
+def actor_runtime_env(cfg: Config) -> dict:
+    """Ray options for a learner or generator actor: ``runtime_env`` with ``OMP_WAIT_POLICY``
+    (set before the process starts: libgomp reads it when torch loads), or nothing for ``keep``."""
+    policy = cfg.ray.omp_wait_policy
+    if policy == "auto":
+        policy = machine_omp_wait_policy(cfg)
+    if policy == "keep":
+        return {}
+    return {"runtime_env": {"env_vars": {"OMP_WAIT_POLICY": policy.upper()}}}
 
 
 def _one_of(value, choices, key: str) -> None:
@@ -364,6 +397,7 @@ def validate(cfg: Config) -> None:
     _require(cfg.reward.num_workers >= 1, "reward.num_workers", f"must be >= 1, got {cfg.reward.num_workers}")
     _require(cfg.reward.timeout_s > 0, "reward.timeout_s", f"must be > 0, got {cfg.reward.timeout_s}")
     _require(0 < cfg.reward.max_invalid_frac <= 1, "reward.max_invalid_frac", "must be in (0, 1]")
+    _one_of(cfg.ray.omp_wait_policy, OMP_WAIT_POLICIES, "ray.omp_wait_policy")
     _require(cfg.ray.weight_sync_backend in ("auto", "gloo", "nccl", "ipc"), "ray.weight_sync_backend",
              f"must be auto, gloo, nccl or ipc, got {cfg.ray.weight_sync_backend!r}")
     for i, entry in enumerate(cfg.data.mix):

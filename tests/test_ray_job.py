@@ -206,6 +206,7 @@ def test_submit_short_training_job(head):
         f"model.cache_dir={out / 'cache'}", "tracking.run_name=ray-job-test",
         "train.total_steps=3", "train.prompts_per_step=8", "rollout.n=4", "train.eval_interval=0",
         "model.warmup_steps=100", "algo.max_refill_rounds=0",  # a weakly warmed model: no refill bound
+        "ray.omp_wait_policy=passive",  # the actors' own runtime env merges with the job's working dir
             "data.eval=builtin:arithmetic?n=16&seed=2&split=eval",  # shlex-quoted by ray
     )
     assert res.returncode == 0, res.stdout + res.stderr
