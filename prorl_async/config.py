@@ -24,6 +24,8 @@ from prorl_async.engines.base import VLLM_ENGINE_CORES
 
 #: ``train.compile`` (prorl_async.learners.compile)
 COMPILE_CHOICES = ("auto", "always", "never")
+#: ``train.reuse_freed_memory`` (prorl_async.learners.host_memory)
+REUSE_FREED_MEMORY_CHOICES = ("auto", "always", "never")
 OMP_WAIT_POLICIES = ("auto", "passive", "active", "keep")
 
 
@@ -134,6 +136,9 @@ class TrainConfig:
                                    "(LM head and logprobs computed chunk by chunk)")
     compile: str = _f("auto", "torch.compile the learner's decoder layers and its chunked LM head: auto (on a CUDA "
                       "learner; off on CPU), always, or never")
+    reuse_freed_memory: str = _f("auto", "the learner process's malloc keeps freed large blocks for reuse instead of "
+                                 "unmapping them (each fresh block is paid again in page faults): auto (on a CPU "
+                                 "learner), always, or never")
     ppo_epochs: int = _f(1, "passes over each batch")
     seed: int = _f(0, "seed of the learner and of python/numpy/torch RNGs")
     eval_interval: int = _f(40, "evaluate on the held-out split every N steps (0 = only before/after)")
@@ -382,6 +387,8 @@ def validate(cfg: Config) -> None:
              f"must be >= 0 (0 = padded micro-batches of train.micro_batch_size rows), got {t.micro_batch_tokens}")
     _require(t.compile in COMPILE_CHOICES, "train.compile",
              f"must be {', '.join(COMPILE_CHOICES[:-1])} or {COMPILE_CHOICES[-1]}, got {t.compile!r}")
+    _require(t.reuse_freed_memory in REUSE_FREED_MEMORY_CHOICES, "train.reuse_freed_memory",
+             f"must be auto, always or never, got {t.reuse_freed_memory!r}")
     _require(t.logprob_chunk_tokens >= 1, "train.logprob_chunk_tokens", f"must be >= 1, got {t.logprob_chunk_tokens}")
     _one_of(a.advantage, ADVANTAGE_ESTIMATORS, "algo.advantage")
     _one_of(a.is_mode, IS_MODES, "algo.is_mode")

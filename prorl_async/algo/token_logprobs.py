@@ -51,8 +51,10 @@ def _forward_chunk(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
 
 def _grad_logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
                  lse: torch.Tensor, g_logp: torch.Tensor, ent: Optional[torch.Tensor], g_ent: Optional[torch.Tensor],
-                 temperature: float) -> torch.Tensor:
-    """One chunk's fp32 gradient with respect to its logits (the chunk's logits recomputed)."""
+                 temperature: float) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """One chunk's gradient with respect to its logits (the chunk's logits recomputed), computed
+    in fp32 and returned in the inputs' dtype, and its fp32 sum over tokens when there is a
+    bias (the bias gradient); one compiled graph does the cast too."""
     z = _chunk_stats(h, weight, bias, temperature)
     z.sub_(lse[:, None])  # log p
     p = z.exp()
@@ -65,7 +67,7 @@ def _grad_logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     gz.scatter_add_(-1, targets[:, None], g_logp[:, None])
     if temperature != 1.0:
         gz.div_(temperature)
-    return gz
+    return gz.to(h.dtype), (gz.sum(0) if bias is not None else None)
 
 
 _COMPILED: dict = {}
@@ -113,24 +115,21 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         if g_logp is None:
             g_logp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         g_h = torch.empty_like(hidden) if need_h else None
-        g_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        g_w = None  # the first chunk's product, then summed in fp32 (no zero-filled [V, H] buffer)
         g_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
         use_ent = ctx.with_entropy and g_ent is not None and g_ent.numel() > 0
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             with torch.no_grad():
-                gz = grad_logits(hidden[s:e], weight, bias, targets[s:e], lse[s:e], g_logp[s:e],
-                                 ent[s:e] if use_ent else None, g_ent[s:e] if use_ent else None, temperature)
+                gz, gz_sum = grad_logits(hidden[s:e], weight, bias, targets[s:e], lse[s:e], g_logp[s:e],
+                                         ent[s:e] if use_ent else None, g_ent[s:e] if use_ent else None, temperature)
                 if g_b is not None:
-                    g_b += gz.sum(0)
-                gz = gz.to(hidden.dtype)
+                    g_b += gz_sum
                 if need_h:
-                    g_h[s:e] = gz @ weight
-                if need_w:
-                    if gz.dtype == torch.float32:
-                        g_w.addmm_(gz.t(), hidden[s:e])
-                    else:  # the matmul in the inputs' dtype (bf16 on AMX / tensor cores), summed in fp32
-                        g_w += gz.t() @ hidden[s:e]
+                    torch.mm(gz, weight, out=g_h[s:e])
+                if need_w:  # the matmul in the inputs' dtype (bf16 on AMX / tensor cores), summed in fp32
+                    part = gz.t() @ hidden[s:e]
+                    g_w = part if g_w is None else (g_w if g_w.dtype == torch.float32 else g_w.float()).add_(part)
         return (g_h, g_w.to(weight.dtype) if need_w else None, g_b.to(bias.dtype) if need_b else None,
                 None, None, None, None, None)
 

@@ -356,29 +356,101 @@ def varlen_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value:
     p = dropout if module.training else 0.0
     if cu_seq_lens_q is not None and _flash_varlen_applies(query, p):
         return _flash_varlen(query, key, value, cu_seq_lens_q, kwargs.get("max_length_q"), scaling, groups), None
-    n = query.shape[2]
+    n, heads, kv_heads, d = query.shape[2], query.shape[1], key.shape[1], query.shape[3]
     bounds = np.array([0, n] if cu_seq_lens_q is None else cu_seq_lens_q.tolist(), dtype=np.int64)
-    starts, lens = bounds[:-1], np.diff(bounds)
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, d]
-    outs, order = [], []
+    plan = _bucket_plan(bounds.tobytes(), heads, kv_heads, str(query.device))
+    # [N * heads, d] rows in memory order (HF's q/k/v are transposed views of [1, N, heads, d])
+    q, k, v = (x[0].transpose(0, 1).reshape(n * x.shape[1], d) for x in (query, key, value))
+    qs = _RowGather.apply(q, plan.q_index, plan.q_back, False)
+    ks = _RowGather.apply(k, plan.kv_index, plan.kv_back, False)
+    vs = _RowGather.apply(v, plan.kv_index, plan.kv_back, False)
+    outs = []
+    for (q0, q1, kv0, kv1, s, length) in plan.buckets:  # [kv_heads * S, groups, L, d] each
+        qb = qs[q0:q1].view(kv_heads * s, groups, length, d)
+        kb, vb = (x[kv0:kv1].view(kv_heads * s, 1, length, d) for x in (ks, vs))
+        outs.append(_causal_attention(qb, kb, vb, p, scaling).reshape(-1, d))
+    o = outs[0] if len(outs) == 1 else torch.cat(outs)
+    out = _RowGather.apply(o, plan.q_back, plan.q_index_padless, True)  # [N * heads, d] in packed order
+    return out.view(1, n, heads, d), None
+
+
+class _RowGather(torch.autograd.Function):
+    """``x.index_select(0, index)`` whose backward is a gather too: ``back[j]`` is the output row
+    that reads input row ``j`` (``len(index)``: none, the gradient row is zero when
+    ``zero_row``). Exact when every input row is read by at most one output row whose gradient
+    can be non-zero; here the only rows read twice are the pads of a right-padded batch, whose
+    gradients are zero under the causal mask (no real query sees a pad key, pad queries'
+    outputs are dropped). Autograd's own backward of ``index_select`` / indexing is a serial
+    ``index_add`` / ``index_put`` with accumulation into a zero-filled tensor: on CPU that was
+    most of the packed attention's cost."""
+
+    @staticmethod
+    def forward(ctx, x, index, back, zero_row):
+        ctx.save_for_backward(back)
+        ctx.zero_row = zero_row
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, g):
+        (back,) = ctx.saved_tensors
+        if ctx.zero_row:
+            g = torch.cat([g, g.new_zeros(1, *g.shape[1:])])
+        return g.index_select(0, back), None, None, None
+
+
+@dataclass(frozen=True)
+class _BucketPlan:
+    """Index arrays of one packed row's attention (:func:`_bucket_plan`)."""
+
+    q_index: torch.Tensor
+    q_back: torch.Tensor
+    q_index_padless: torch.Tensor
+    kv_index: torch.Tensor
+    kv_back: torch.Tensor
+    buckets: tuple
+
+
+@functools.lru_cache(maxsize=16)
+def _bucket_plan(bounds: bytes, heads: int, kv_heads: int, device: str) -> _BucketPlan:
+    """Where every row of the right-padded attention batches comes from in the packed
+    ``[N * heads, d]`` rows (memory order: position-major), and back.
+
+    Sequences (cut at ``bounds``) go into length buckets (:func:`_length_buckets`); bucket
+    ``b`` of ``S`` sequences padded to ``L`` holds queries as ``[kv_heads, S, groups, L]`` rows
+    (the ``groups`` query heads of one key/value head side by side: grouped-query attention
+    without repeating keys and values) and keys / values as ``[kv_heads, S, L]`` rows. A pad
+    repeats its sequence's last token. ``q_back`` / ``kv_back``: for every packed row, its
+    real slot; ``q_index_padless``: ``q_index`` with pads pointing past the end (a zero row).
+    Computed once per packed row and reused by every layer (the cache key is the boundaries)."""
+    b = np.frombuffer(bounds, dtype=np.int64)
+    starts, lens = b[:-1], np.diff(b)
+    n, groups = int(b[-1]), heads // kv_heads
+    qi, qb, qz, ki, kb, buckets = [], np.empty(n * heads, np.int64), [], [], np.empty(n * kv_heads, np.int64), []
+    q_off = kv_off = 0
     for seqs in _length_buckets(lens):
-        longest = int(lens[seqs].max())
-        ar = np.arange(longest)
-        # [S, L] packed position of every (sequence, position); a pad repeats the sequence's last token
-        idx = np.minimum(starts[seqs][:, None] + ar, (starts[seqs] + lens[seqs] - 1)[:, None])
-        seq_i, pos_i = np.nonzero(ar[None, :] < lens[seqs][:, None])
-        it = torch.from_numpy(idx).to(query.device)
-        qb, kb, vb = (x[it].transpose(1, 2) for x in (q, k, v))  # [S, heads, L, d]
-        if groups > 1:
-            kb, vb = kb.repeat_interleave(groups, dim=1), vb.repeat_interleave(groups, dim=1)
-        o = _causal_attention(qb, kb, vb, p, scaling)
-        outs.append(o.transpose(1, 2)[torch.from_numpy(seq_i).to(query.device), torch.from_numpy(pos_i).to(query.device)])
-        order.append(idx[seq_i, pos_i])
-    out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [N, heads, d] in bucket order
-    perm = np.concatenate(order)
-    if not np.array_equal(perm, np.arange(n)):
-        out = out[torch.from_numpy(np.argsort(perm)).to(query.device)]
-    return out[None], None
+        s, length = len(seqs), int(lens[seqs].max())
+        ar = np.arange(length)
+        real = ar[None, :] < lens[seqs][:, None]  # [S, L]
+        pos = np.minimum(starts[seqs][:, None] + ar, (starts[seqs] + lens[seqs] - 1)[:, None])  # [S, L]
+        hq = (np.arange(kv_heads)[:, None] * groups + np.arange(groups)[None, :])  # [kv, g] query head
+        q_rows = pos[None, :, None, :] * heads + hq[:, None, :, None]  # [kv, S, g, L]
+        q_real = np.broadcast_to(real[None, :, None, :], q_rows.shape)
+        slots = q_off + np.arange(q_rows.size).reshape(q_rows.shape)
+        qb[q_rows[q_real]] = slots[q_real]
+        qi.append(q_rows.ravel())
+        qz.append(np.where(q_real, q_rows, n * heads).ravel())
+        kv_rows = pos[None] * kv_heads + np.arange(kv_heads)[:, None, None]  # [kv, S, L]
+        kv_real = np.broadcast_to(real[None], kv_rows.shape)
+        kb[kv_rows[kv_real]] = (kv_off + np.arange(kv_rows.size).reshape(kv_rows.shape))[kv_real]
+        ki.append(kv_rows.ravel())
+        buckets.append((q_off, q_off + q_rows.size, kv_off, kv_off + kv_rows.size, s, length))
+        q_off, kv_off = q_off + q_rows.size, kv_off + kv_rows.size
+
+    def t(a):
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+    return _BucketPlan(t(np.concatenate(qi)), t(qb), t(np.concatenate(qz)), t(np.concatenate(ki)), t(kb),
+                       tuple(buckets))
 
 
 #: packed bf16 / fp16 rows on a GPU go through torch's varlen flash attention
@@ -424,30 +496,43 @@ def _flash_varlen(query, key, value, cu: torch.Tensor, longest: Optional[int], s
     return fn(q, k, v, cu, cu, int(longest), int(longest), **kw)
 
 
-#: a bf16 / fp16 batch of at most this many attention scores (``S x heads x L x L``) on CPU runs as
+#: a bf16 / fp16 batch of at most this many attention scores (``B x groups x L x L``) on CPU runs as
 #: two matmuls and a softmax (:func:`_causal_attention`); larger ones, fp32 and GPUs use sdpa
 BMM_ATTENTION_MAX_SCORES = 1 << 25  # 128 MiB of fp32 scores
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float,
                       scale: Optional[float]) -> torch.Tensor:
-    """Causal attention of ``[S, heads, L, d]`` q/k/v (same heads).
+    """Causal attention of ``[B, groups, L, d]`` queries over ``[B, 1, L, d]`` keys / values
+    (grouped-query attention: the ``groups`` query heads of a batch entry share its key / value
+    head); ``[B, groups, L, d]``.
 
     On CPU in bf16 / fp16 with at most :data:`BMM_ATTENTION_MAX_SCORES` scores: fp32 scores
-    ``q k^T`` (inputs upcast, as flash attention keeps its scores in fp32), the causal mask and
-    an fp32 softmax, then the probabilities in the inputs' dtype times ``v`` (as flash attention
-    does). Measured here (2-core Xeon, AMX, ``[32, 9, 136, 64]`` bf16): forward + backward about
-    5x faster than torch's CPU flash-attention kernel, whose bf16 backward was the largest
-    single cost of a SmolLM2 learner step (benchmarks/RESULTS.md). Everything else: sdpa."""
-    n, heads, length, d = q.shape
+    (inputs upcast, as flash attention keeps its scores in fp32) of all ``groups x L`` query rows
+    against the ``L`` keys in one ``baddbmm`` that also scales them and adds the causal mask
+    (one pass over the scores), an fp32 softmax, then the probabilities in the inputs' dtype
+    times ``v`` (as flash attention does). Measured here (2-core Xeon, AMX, ``[32, 9, 136, 64]``
+    bf16): forward + backward about 5x faster than torch's CPU flash-attention kernel, whose
+    bf16 backward was the largest single cost of a SmolLM2 learner step (benchmarks/RESULTS.md).
+    Everything else: sdpa (``enable_gqa``)."""
+    b, groups, length, d = q.shape
     if (dropout or q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16)
-            or n * heads * length * length > BMM_ATTENTION_MAX_SCORES):
+            or b * groups * length * length > BMM_ATTENTION_MAX_SCORES):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
-                                                                scale=scale)
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(d ** -0.5 if scale is None else scale)
-    scores = scores.masked_fill_(torch.ones(length, length, dtype=torch.bool, device=q.device).triu_(1),
-                                 float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+                                                                scale=scale, enable_gqa=groups > 1)
+    rows = groups * length
+    scores = torch.baddbmm(_causal_bias(groups, length, str(q.device)), q.reshape(b, rows, d).float(),
+                           k.reshape(b, length, d).float().transpose(1, 2), alpha=d ** -0.5 if scale is None else scale)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.bmm(probs, v.reshape(b, length, d)).view(b, groups, length, d)
+
+
+@functools.lru_cache(maxsize=64)
+def _causal_bias(groups: int, length: int, device: str) -> torch.Tensor:
+    """``[groups * L, L]`` fp32: 0 where query row ``r`` (position ``r % L``) may see key ``c``, else -inf."""
+    pos = torch.arange(length, device=device)
+    allowed = pos[None, :] <= pos.repeat(groups)[:, None]
+    return torch.zeros(groups * length, length, device=device).masked_fill_(~allowed, float("-inf"))
 
 
 def _length_buckets(lens: np.ndarray) -> list[np.ndarray]:

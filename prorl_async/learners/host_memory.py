@@ -1,0 +1,59 @@
+"""``train.reuse_freed_memory``: a CPU learner reuses freed memory instead of fresh pages.
+
+glibc's ``malloc`` serves every block above its mmap threshold (at most 32 MiB on 64-bit
+Linux) with a fresh ``mmap`` and unmaps it on ``free``; the next block of that size is faulted
+in again, page by page, each page zero-filled by the kernel. A CPU learner step allocates
+hundreds of such blocks: the chunked LM head's ``[chunk, vocab]`` fp32 logits (200 MB at 1,024
+x 49,152), their exp / softmax / gradient temporaries, the fp32 gradient of the head weight.
+On this project's 2-core Xeon the page faults cost a SmolLM2-135M bf16 learner step about a
+third of its time (benchmarks/RESULTS.md, "SmolLM2-135M full learner step").
+
+``mallopt(M_MMAP_MAX, 0)`` serves large blocks from the heap, and a trim threshold of 2 GiB (the
+largest ``mallopt`` takes) keeps what is freed there for the next allocation: after the first step the process holds the
+step's peak and reuses it, which is what jemalloc and tcmalloc (the allocators PyTorch's CPU
+performance guide recommends) do for a steady loop, with the allocator already in the process.
+Costs: resident memory stays at the step's peak instead of shrinking between steps. Only the
+calling process changes (a CPU learner's actor; each rank of a learner group sets its own);
+a GPU learner's tensors are not host memory and it keeps the default. Values:
+:data:`prorl_async.config.REUSE_FREED_MEMORY_CHOICES`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+
+import torch
+
+M_TRIM_THRESHOLD = -1  # glibc malloc.h
+M_MMAP_MAX = -4
+KEEP_BYTES = 2**31 - 1  # trim threshold: hand the heap's top back only above 2 GiB free
+
+
+def reuse_applies(setting: str, device) -> bool:
+    """Whether ``train.reuse_freed_memory = setting`` changes the allocator of a learner on ``device``."""
+    return setting == "always" or (setting == "auto" and torch.device(device).type == "cpu")
+
+
+@functools.cache
+def _glibc():
+    """glibc's ``mallopt`` (``None`` on a C library without it, e.g. musl or macOS)."""
+    name = ctypes.util.find_library("c")
+    try:
+        lib = ctypes.CDLL(name)
+        lib.gnu_get_libc_version  # glibc only
+        fn = lib.mallopt
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def reuse_freed_memory() -> bool:
+    """Large blocks from the heap, kept after ``free`` (module docstring), for this process;
+    whether the allocator took the setting (False without glibc: nothing changes)."""
+    mallopt = _glibc()
+    if mallopt is None:
+        return False
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, KEEP_BYTES))
