@@ -47,10 +47,14 @@ def _rss_bytes() -> int:
 @pytest.fixture(autouse=True)
 def _return_freed_memory():
     """After a test that left this process large (a 135M-parameter model and its copies in
-    the test process), give the freed memory back to the OS: glibc keeps it otherwise (10 GB
+    the test process), give the freed memory back to the OS, with glibc's default allocation
+    policy restored (a CPU learner changes it for its process): glibc keeps it otherwise (10 GB
     after the SmolLM2 learner tests, 1.9 GB after gc + malloc_trim), and the Ray actors of
     later tests then run out of the machine's memory."""
     yield
+    from prorl_async.learners.host_memory import restore_default
+
+    restore_default()  # a CPU learner built in this process keeps freed blocks (train.reuse_freed_memory)
     if _rss_bytes() > 1.5 * 2**30:
         import ctypes
         import gc

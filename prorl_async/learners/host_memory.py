@@ -28,6 +28,7 @@ import torch
 
 M_TRIM_THRESHOLD = -1  # glibc malloc.h
 M_MMAP_MAX = -4
+DEFAULT_MMAP_MAX, DEFAULT_TRIM_THRESHOLD = 65536, 128 * 1024  # glibc's defaults
 KEEP_BYTES = 2**31 - 1  # trim threshold: hand the heap's top back only above 2 GiB free
 
 
@@ -57,3 +58,12 @@ def reuse_freed_memory() -> bool:
     if mallopt is None:
         return False
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, KEEP_BYTES))
+
+
+def restore_default() -> None:
+    """glibc's defaults again (large blocks mapped and unmapped; the heap's top trimmed above
+    128 KiB): for a process that built a learner and goes on to other work, e.g. a test run."""
+    mallopt = _glibc()
+    if mallopt is not None:
+        mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX)
+        mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD)
