@@ -323,6 +323,7 @@ def pack_rollouts(table: pa.Table, micro_batch_tokens: int, share_prefixes: bool
 VARLEN_SDPA = "prorl_varlen_sdpa"
 
 
+@torch.compiler.disable
 def varlen_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                           dropout: float = 0.0, scaling: Optional[float] = None, cu_seq_lens_q=None, **kwargs):
     """Causal attention of a packed row, each sequence attending to itself only.
@@ -343,7 +344,10 @@ def varlen_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value:
     gathered along their paths first (``cu_seq_lens_q`` cuts the paths), and every packed
     position takes the output of one path through it; gradients of a shared key / value add up
     over the paths that attend to it.
-    Returns ``([1, N, heads, d], None)`` as transformers' sdpa function does."""
+    Returns ``([1, N, heads, d], None)`` as transformers' sdpa function does. Never traced by
+    ``torch.compile`` (``train.compile``): its index plan is host-side numpy keyed by the
+    sequence boundaries, which a compiled graph would specialise on (a recompilation for every
+    new packing); a compiled decoder layer runs the graphs before and after it."""
     if attention_mask is not None:
         raise ValueError(f"{VARLEN_SDPA}: packed input takes no attention_mask (sequences are cut at cu_seq_lens_q)")
     path_index = kwargs.pop("prorl_path_index", None)

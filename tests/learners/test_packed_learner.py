@@ -192,3 +192,36 @@ def test_compile_is_off_on_cpu_by_default_and_validated(tiny_model):
     assert compile_applies("auto", "cuda") and compile_applies("always", "cpu") and not compile_applies("never", "cuda")
     with pytest.raises(Exception, match="train.compile"):
         load_config(None, ["train.compile=sometimes"])
+
+
+def test_compile_always_on_cpu_matches_eager_and_new_packings_do_not_recompile(tiny_model):
+    """``train.compile=always`` on CPU (bf16 where the CPU has it): three steps on batches of
+    different lengths give the eager learner's losses, gradient norms and KL; after the first
+    step no new graph is compiled, although every batch packs into other sequence boundaries
+    (the packed attention's host-side index plan is kept out of the compiled graphs)."""
+    import math
+
+    import torch._dynamo.utils
+
+    from prorl_async.learners.torch_learner import TorchLearner
+
+    base = [f"model.path={tiny_model}", "train.mini_batches=1", "train.prompts_per_step=4", "rollout.n=4",
+            "train.micro_batch_tokens=128", "algo.kl_coef=0.01", "train.lr=1e-3", "train.share_prefixes=false"]
+    batches = [graded_table(groups=4, n=4, seed=s, prompt_len=4 + s, max_resp=5 + 3 * s) for s in (0, 1, 2)]
+    torch._dynamo.reset()
+    runs, graphs = {}, []
+    for mode in ("always", "never"):
+        learner = TorchLearner(load_config(None, [*base, f"train.compile={mode}"]), tiny_model)
+        assert learner.compiled == (mode == "always")
+        runs[mode] = []
+        for b in batches:
+            runs[mode].append(learner.train_step(b))
+            if mode == "always":
+                graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        del learner
+    torch._dynamo.reset()
+    assert graphs[0] > 0 and graphs[1:] == [graphs[0]] * 2, graphs
+    for got, want in zip(runs["always"], runs["never"]):
+        for k in ("actor/pg_loss", "actor/grad_norm", "kl/loss_term"):
+            assert math.isfinite(got[k]) and abs(got[k] - want[k]) <= 2e-2 * max(1.0, abs(want[k])), (k, got[k], want[k])
+    assert runs["always"][2]["kl/loss_term"] > 0  # the policy has moved from the reference
