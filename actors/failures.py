@@ -92,8 +92,11 @@ class FailurePolicy:
         if role == "learner":
             self.loop.s.learner_dead = True
             return RunError(f"the learner died at step {self.loop.s.version + 1} ({cause(err)})" + self.resume_hint())
-        if role.startswith("generator"):  # a direct call found it dead for good: Ray's restarts are spent
-            self.loop.s.gen_failures += 1
+        if role.startswith("generator"):  # a direct call found it dead for good: Ray's restarts are spent,
+            # so this generator alone died max_generator_failures + 1 times (a death while it was idle
+            # failed no request and was not counted when Ray restarted it)
+            limit = self.loop.cfg.rollout.max_generator_failures
+            self.loop.s.gen_failures = max(self.loop.s.gen_failures + 1, limit + 1)
             return RunError(f"generators died {self.loop.s.gen_failures} times (rollout.max_generator_failures="
                             f"{self.loop.cfg.rollout.max_generator_failures}); last: {cause(err)}")
         return RunError(f"{role or 'an actor'} failed: {cause(err)}")
