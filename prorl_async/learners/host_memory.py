@@ -12,7 +12,9 @@ third of its time (benchmarks/RESULTS.md, "SmolLM2-135M full learner step").
 largest ``mallopt`` takes) keeps what is freed there for the next allocation: after the first step the process holds the
 step's peak and reuses it, which is what jemalloc and tcmalloc (the allocators PyTorch's CPU
 performance guide recommends) do for a steady loop, with the allocator already in the process.
-Costs: resident memory stays at the step's peak instead of shrinking between steps. Only the
+Costs: resident memory stays at the step's peak instead of shrinking between steps, and the
+first rounds of a repeated allocation may still fault while torch's aligned blocks fragment the
+heap (a repeated 64 MiB block: 1 or 8 rounds; a SmolLM2 step: 2 steps). Only the
 calling process changes (a CPU learner's actor; each rank of a learner group sets its own);
 a GPU learner's tensors are not host memory and it keeps the default. Values:
 :data:`prorl_async.config.REUSE_FREED_MEMORY_CHOICES`.
@@ -51,19 +53,34 @@ def _glibc():
     return fn
 
 
+_applied = False  # this process's allocator was switched by reuse_freed_memory
+
+
 def reuse_freed_memory() -> bool:
     """Large blocks from the heap, kept after ``free`` (module docstring), for this process;
     whether the allocator took the setting (False without glibc: nothing changes)."""
+    global _applied
     mallopt = _glibc()
     if mallopt is None:
         return False
-    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, KEEP_BYTES))
+    _applied = bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, KEEP_BYTES))
+    return _applied
+
+
+def configure(setting: str, device) -> bool:
+    """A learner's start-up: :func:`reuse_freed_memory` when ``train.reuse_freed_memory = setting``
+    applies on ``device``; whether this process now keeps freed blocks."""
+    return reuse_applies(setting, device) and reuse_freed_memory()
 
 
 def restore_default() -> None:
     """glibc's defaults again (large blocks mapped and unmapped; the heap's top trimmed above
-    128 KiB): for a process that built a learner and goes on to other work, e.g. a test run."""
+    128 KiB) if :func:`reuse_freed_memory` changed them: for a process that built a learner and
+    goes on to other work, e.g. a test run. A process it never changed is left alone (setting
+    either value would also end glibc's dynamic mmap threshold)."""
+    global _applied
     mallopt = _glibc()
-    if mallopt is not None:
+    if _applied and mallopt is not None:
         mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX)
         mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD)
+        _applied = False
