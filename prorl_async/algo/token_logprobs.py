@@ -129,7 +129,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                     torch.mm(gz, weight, out=g_h[s:e])
                 if need_w:  # the matmul in the inputs' dtype (bf16 on AMX / tensor cores), summed in fp32
                     part = gz.t() @ hidden[s:e]
-                    g_w = part if g_w is None else (g_w if g_w.dtype == torch.float32 else g_w.float()).add_(part)
+                    g_w = part if g_w is None else g_w.float().add_(part)  # .float(): a no-op once fp32
         return (g_h, g_w.to(weight.dtype) if need_w else None, g_b.to(bias.dtype) if need_b else None,
                 None, None, None, None, None)
 

@@ -39,8 +39,8 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 
+from prorl_async.learners import host_memory
 from prorl_async.learners.core import LearnerCore, algo_state, cpu_has_bf16
-from prorl_async.learners.host_memory import reuse_applies, reuse_freed_memory
 from prorl_async.models import load_model
 from prorl_async.weight_sync import free_port
 
@@ -91,7 +91,7 @@ class DeepSpeedLearner:
         self.cfg = cfg
         self.device = torch.device(device)
         a, t = cfg.algo, cfg.train
-        self.reuses_freed_memory = reuse_applies(t.reuse_freed_memory, self.device) and reuse_freed_memory()
+        self.reuses_freed_memory = host_memory.configure(t.reuse_freed_memory, self.device)
         ensure_process_group(rank, world_size, master_addr, master_port,
                              backend="nccl" if self.device.type == "cuda" else "gloo")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()

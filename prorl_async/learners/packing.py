@@ -429,32 +429,46 @@ def _bucket_plan(bounds: bytes, heads: int, kv_heads: int, device: str) -> _Buck
     b = np.frombuffer(bounds, dtype=np.int64)
     starts, lens = b[:-1], np.diff(b)
     n, groups = int(b[-1]), heads // kv_heads
-    qi, qb, qz, ki, kb, buckets = [], np.empty(n * heads, np.int64), [], [], np.empty(n * kv_heads, np.int64), []
-    q_off = kv_off = 0
+    q, kv = _Rows(n * heads), _Rows(n * kv_heads)
+    buckets = []
     for seqs in _length_buckets(lens):
         s, length = len(seqs), int(lens[seqs].max())
         ar = np.arange(length)
         real = ar[None, :] < lens[seqs][:, None]  # [S, L]
         pos = np.minimum(starts[seqs][:, None] + ar, (starts[seqs] + lens[seqs] - 1)[:, None])  # [S, L]
-        hq = (np.arange(kv_heads)[:, None] * groups + np.arange(groups)[None, :])  # [kv, g] query head
-        q_rows = pos[None, :, None, :] * heads + hq[:, None, :, None]  # [kv, S, g, L]
-        q_real = np.broadcast_to(real[None, :, None, :], q_rows.shape)
-        slots = q_off + np.arange(q_rows.size).reshape(q_rows.shape)
-        qb[q_rows[q_real]] = slots[q_real]
-        qi.append(q_rows.ravel())
-        qz.append(np.where(q_real, q_rows, n * heads).ravel())
-        kv_rows = pos[None] * kv_heads + np.arange(kv_heads)[:, None, None]  # [kv, S, L]
-        kv_real = np.broadcast_to(real[None], kv_rows.shape)
-        kb[kv_rows[kv_real]] = (kv_off + np.arange(kv_rows.size).reshape(kv_rows.shape))[kv_real]
-        ki.append(kv_rows.ravel())
-        buckets.append((q_off, q_off + q_rows.size, kv_off, kv_off + kv_rows.size, s, length))
-        q_off, kv_off = q_off + q_rows.size, kv_off + kv_rows.size
+        q0, kv0 = q.size, kv.size
+        q.add(pos, real, heads, groups, kv_heads)  # [kv, S, g, L]: query head j * groups + i
+        kv.add(pos, real, kv_heads, 1, kv_heads)  # [kv, S, 1, L]: key / value head j
+        buckets.append((q0, q.size, kv0, kv.size, s, length))
 
     def t(a):
         return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
-    return _BucketPlan(t(np.concatenate(qi)), t(qb), t(np.concatenate(qz)), t(np.concatenate(ki)), t(kb),
-                       tuple(buckets))
+    return _BucketPlan(t(np.concatenate(q.index)), t(q.back), t(np.concatenate(q.padless)), t(np.concatenate(kv.index)),
+                       t(kv.back), tuple(buckets))
+
+
+class _Rows:
+    """The gather of one of :func:`_bucket_plan`'s padded batches (queries, or keys / values),
+    built bucket by bucket: ``index`` (slot -> packed row), ``back`` (packed row -> its real
+    slot), ``padless`` (``index`` with pads pointing at row ``rows``, a zero row)."""
+
+    def __init__(self, rows: int):
+        self.rows, self.size = rows, 0
+        self.index, self.padless = [], []
+        self.back = np.empty(rows, np.int64)
+
+    def add(self, pos: np.ndarray, real: np.ndarray, heads: int, groups: int, kv_heads: int) -> None:
+        """One bucket: ``[S, L]`` packed positions and real flags -> ``[kv_heads, S, groups, L]`` slots
+        of the packed ``[N * heads]`` rows (position-major) of head ``j * groups + i``."""
+        head = np.arange(kv_heads)[:, None] * groups + np.arange(groups)[None, :]  # [kv, g]
+        rows = pos[None, :, None, :] * heads + head[:, None, :, None]
+        is_real = np.broadcast_to(real[None, :, None, :], rows.shape)
+        slots = self.size + np.arange(rows.size).reshape(rows.shape)
+        self.back[rows[is_real]] = slots[is_real]
+        self.index.append(rows.ravel())
+        self.padless.append(np.where(is_real, rows, self.rows).ravel())
+        self.size += rows.size
 
 
 #: packed bf16 / fp16 rows on a GPU go through torch's varlen flash attention

@@ -31,9 +31,9 @@ from typing import Optional
 import pyarrow as pa
 import torch
 
+from prorl_async.learners import host_memory
 from prorl_async.learners.compile import compile_applies, compile_decoder_layers
 from prorl_async.learners.core import LearnerCore, algo_state, cpu_has_bf16
-from prorl_async.learners.host_memory import reuse_applies, reuse_freed_memory
 from prorl_async.learners.update_guard import UpdateGuard
 from prorl_async.models import load_model
 
@@ -44,7 +44,7 @@ class TorchLearner:
         self.cfg = cfg
         self.device = torch.device(device)
         # large temporaries reuse freed heap memory instead of fresh pages (learners/host_memory.py)
-        self.reuses_freed_memory = reuse_applies(cfg.train.reuse_freed_memory, self.device) and reuse_freed_memory()
+        self.reuses_freed_memory = host_memory.configure(cfg.train.reuse_freed_memory, self.device)
         torch.manual_seed(cfg.train.seed)
         self.model = load_model(model_path, cfg.model.dtype).to(self.device)
         self.model.config.use_cache = False
