@@ -191,6 +191,20 @@ def _checksum(flat: torch.Tensor, full: bool = True) -> float:
     return float(total)
 
 
+def all_finite(tensors) -> bool:
+    """Whether every value of ``tensors`` is finite, in one summing pass per tensor: a NaN or an
+    infinity makes the sum non-finite, so only a tensor whose sum is not finite (a bad value, or
+    finite values whose sum overflows) is checked value by value. ``isfinite(t).all()`` on every
+    tensor writes a bool per value first: 1.0 s for 0.85 GB of fp32 here, the sums 0.04 s."""
+    for t in tensors:
+        if not t.is_floating_point():
+            continue
+        total = t.sum(dtype=torch.float32) if t.element_size() < 4 else t.sum()
+        if not torch.isfinite(total) and not bool(torch.isfinite(t).all()):
+            return False
+    return True
+
+
 def tensor_checksum(tensors) -> float:
     """Full checksum over a list of tensors (used by tests to compare learner and generator)."""
     return sum(_checksum(t.detach().reshape(-1)) for t in tensors)

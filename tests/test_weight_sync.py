@@ -101,3 +101,21 @@ def test_sampled_checksum_catches_layout_errors_and_the_full_one_a_single_flippe
     flipped.view(torch.int32)[123_457] ^= 1  # one bit of one word that the sample skips
     assert _checksum(flipped, full=False) == _checksum(x, full=False)
     assert _checksum(flipped, full=True) != _checksum(x, full=True)
+
+
+def test_all_finite_finds_every_nan_and_inf_and_passes_finite_values_whose_sum_overflows():
+    from prorl_async.weight_sync import all_finite
+
+    good = [torch.randn(1000), torch.randn(64, 32).bfloat16(), torch.randn(7).half(), torch.arange(5)]
+    assert all_finite(good)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            t = torch.randn(500).to(dtype)
+            t[321] = bad
+            assert not all_finite([*good, t]), (dtype, bad)
+    both = torch.zeros(10)
+    both[2], both[7] = float("inf"), float("-inf")  # their sum is nan
+    assert not all_finite([both])
+    # finite values whose sum is not finite: the value-by-value check decides
+    assert all_finite([torch.full((4,), 3e38), torch.full((4,), -3e38, dtype=torch.bfloat16)])
+    assert all_finite([torch.full((8,), 60000.0, dtype=torch.float16)])  # fp16's own sum would be inf

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from prorl_async.weight_sync import IpcWeightReceiver, WeightSyncError, WeightSyncGroup, tensor_checksum
+from prorl_async.weight_sync import IpcWeightReceiver, WeightSyncError, WeightSyncGroup, all_finite, tensor_checksum
 
 
 class WeightSyncWorkerExtension:
@@ -56,7 +56,7 @@ class WeightSyncWorkerExtension:
             version, tensors = self._prorl_sync.receive(payload, self._prorl_expected)
         else:
             version, tensors = self._prorl_sync.receive(self._prorl_expected)  # raises before staging on mismatch
-        if not all(torch.isfinite(t).all() for _, t in tensors):
+        if not all_finite(t for _, t in tensors):
             raise WeightSyncError(f"weights of version {version} hold non-finite values; update discarded")
         if payload is not None and not apply:
             tensors = [(n, t.clone()) for n, t in tensors]

@@ -114,6 +114,9 @@ def test_weight_sync_into_vllm_worker_over_gloo(engines, tiny_model):
         bad = [(n + ".x", t) for n, t in named]  # a model that does not match: must be refused
         g.send(bad, version=2)
         g.send(named[:-1], version=3)
+        poisoned = [(n, t.clone()) for n, t in named]
+        poisoned[-1][1].view(-1)[3] = float("nan")  # the right model, a NaN in it: refused too
+        g.send(poisoned, version=4)
 
     th = threading.Thread(target=learner_side)
     th.start()
@@ -126,6 +129,8 @@ def test_weight_sync_into_vllm_worker_over_gloo(engines, tiny_model):
     for _ in range(2):
         with pytest.raises(WeightSyncError):
             v.receive_weights()
+    with pytest.raises(WeightSyncError, match="version 4 hold non-finite values"):
+        v.receive_weights()
     th.join(60)
     assert v.weights_checksum()[0] == 1  # refused updates left version 1 in place
 
