@@ -18,8 +18,12 @@ prompts through its chat template (``smollm2``; needs ``bash setup.sh smollm2``)
 * ``--in-run``: then a short real training run (``prorl-async train --config
   configs/smollm2_cpu.yaml``, the same prompts-per-request, n, max tokens and temperature) and its
   ``perf/gen_engine_tok_s`` (response tokens per second of the generator's generate calls, the
-  first step's warm-up left out) over the inline engine's tok/s alone = ``in_run_tok_s_frac``;
-  ``--run-cores auto,process`` repeats the run per ``rollout.vllm_engine_core``.
+  first step's warm-up and steps in which no request landed left out; median) over the inline
+  engine's tok/s alone = ``in_run_tok_s_frac``; ``--run-cores auto,process`` repeats the run per
+  ``rollout.vllm_engine_core``. With dynamic sampling on (the config), a step's refill requests
+  are smaller than ``--prompts`` (the admission budget sizes them), and a smaller request runs
+  at fewer tok/s alone too (RESULTS.md): ``--run-override algo.dynamic_sampling=false`` keeps
+  every request at ``--prompts``.
 
 vLLM is started once per model and mode and a warm-up request precedes the timed ones (best of
 ``--repeats``). Writes benchmarks/out/bench_generation.{json,png} and prints a table.
@@ -163,7 +167,9 @@ def in_run(args, model_tok_s: float, core: str = "auto") -> dict:
         raise RuntimeError(f"the training run failed ({' '.join(cmd)}):\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
     hist = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines() if line]
     steps = hist[1:] or hist  # step 1 includes the engine's first-request warm-up
-    tok_s = sorted(h["perf/gen_engine_tok_s"] for h in steps)
+    # a step in which no request landed reports 0 tok/s (nothing generated in its window), e.g.
+    # every other step of a run with dynamic sampling off and one request per step: not a speed
+    tok_s = sorted(v for h in steps if (v := h["perf/gen_engine_tok_s"]) > 0) or [0.0]
     median = tok_s[len(tok_s) // 2] if len(tok_s) % 2 else 0.5 * (tok_s[len(tok_s) // 2 - 1] + tok_s[len(tok_s) // 2])
     last = hist[-1]
     return {"vllm_engine_core": core, "command": " ".join(cmd[1:]), "wall_s": time.perf_counter() - t0, "steps": len(hist),
