@@ -98,5 +98,5 @@ class FailurePolicy:
             limit = self.loop.cfg.rollout.max_generator_failures
             self.loop.s.gen_failures = max(self.loop.s.gen_failures + 1, limit + 1)
             return RunError(f"generators died {self.loop.s.gen_failures} times (rollout.max_generator_failures="
-                            f"{self.loop.cfg.rollout.max_generator_failures}); last: {cause(err)}")
+                            f"{limit}); last: {cause(err)}")
         return RunError(f"{role or 'an actor'} failed: {cause(err)}")

@@ -199,8 +199,7 @@ def all_finite(tensors) -> bool:
     for t in tensors:
         if not t.is_floating_point():
             continue
-        total = t.sum(dtype=torch.float32) if t.element_size() < 4 else t.sum()
-        if not torch.isfinite(total) and not bool(torch.isfinite(t).all()):
+        if not torch.isfinite(t.sum(dtype=torch.float32)) and not bool(torch.isfinite(t).all()):
             return False
     return True
 
