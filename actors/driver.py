@@ -19,6 +19,7 @@ from typing import Optional
 import ray
 
 from prorl_async.config import Config, config_to_dict, save_config
+from prorl_async.curriculum import Curriculum, NoSignal
 from prorl_async.data.datasets import load_source, load_train_rows
 from prorl_async.data.source import PromptSource
 from prorl_async.metrics import domain_metrics, rollout_metrics, utilisation_metrics
@@ -30,14 +31,14 @@ from prorl_async.tracking import Tracker, progress_line
 
 from actors import checkpointing
 from actors.cluster import Actors, RunError, cause, dead_actor_id, init_ray
-from actors.evaluation import StaleWeights, evaluate, held_out
+from actors.evaluation import StaleWeights, evaluate, held_out, preflight
 from actors.failures import FailurePolicy
 from actors.loop_state import LoopState, zero_sums
 
 log = logging.getLogger("prorl_async")
 
 class TrainingLoop:
-    def __init__(self, cfg: Config, actors: Actors, source: PromptSource, tracker: Tracker, eval_rows: list[dict],
+    def __init__(self, cfg: Config, actors: Actors, source: PromptSource | Curriculum, tracker: Tracker, eval_rows: list[dict],
                  run_dir=None, model_path: str = "", before: Optional[dict] = None):
         self.cfg, self.actors, self.source, self.tracker, self.eval_rows = cfg, actors, source, tracker, eval_rows
         self.run_dir, self.model_path = run_dir, model_path  # no run dir, no checkpoints
@@ -125,6 +126,9 @@ class TrainingLoop:
             s.invalid_by_reason[reason.split(":")[0]] += count
             w[f"invalid_reason/{reason}"] += count
         s.busy_s["grade"] += info["stats"].get("grade_time_s", 0.0)
+        if isinstance(self.source, Curriculum):  # pools held back or re-admitted by their signal
+            for line in self.source.observe(info["pools"], s.version):
+                print(line, flush=True)
         if why := self.refill.observe(info, s.version, time.time()):  # groups dropped by dynamic sampling
             raise RunError(why)  # refilled algo.max_refill_rounds times without a full batch
         # judged over a batch's worth of samples, so one unlucky request does not stop a run
@@ -209,6 +213,8 @@ class TrainingLoop:
         m.update(ray.get(self.actors.buffer.metrics.remote()))
         m.update(self.grader_health())
         m.update({f"reward/invalid_{reason}": v for reason, v in s.invalid_by_reason.items()})
+        if isinstance(self.source, Curriculum):
+            m.update(self.source.metrics())
         s.window = zero_sums()
         self.refill.step_done(now)
         self.tracker.track(m, s.version)
@@ -244,6 +250,8 @@ class TrainingLoop:
         s.busy_s["eval"] += time.time() - t0
         s.history[-1].update({**val, **reset, "val/time": time.time() - s.t_start})
         s.last_eval, s.eval_owed = s.version, False
+        if isinstance(self.source, Curriculum):
+            print(self.source.table(f"curriculum at step {s.version}"), flush=True)
 
     def checkpoint_due(self) -> bool:
         v, every = self.s.version, self.cfg.train.checkpoint_interval
@@ -280,6 +288,26 @@ class TrainingLoop:
         self.s.resyncs += 1
 
 
+def prompt_source(cfg: Config) -> PromptSource | Curriculum:
+    """The run's training prompts: one shuffled stream, or pools chosen by signal (``curriculum.enabled``)."""
+    rows, c = load_train_rows(cfg.data), cfg.curriculum
+    if not c.enabled:
+        return PromptSource(rows, seed=cfg.data.shuffle_seed)
+    return Curriculum(rows, seed=cfg.data.shuffle_seed, min_signal=c.min_signal, probe_frac=c.probe_frac, window=c.window)
+
+
+def run_preflight(cfg: Config, actors: Actors, source: Curriculum) -> None:
+    """Every pool sampled before step 1; the table printed (and its numbers in Aim at step 0); a mix
+    without signal stops here, with the table."""
+    t0 = time.time()
+    results = preflight(cfg, actors, source.preflight_rows(cfg.curriculum.preflight_prompts))
+    try:
+        table = source.preflight(results)
+    except NoSignal as err:
+        raise RunError(str(err)) from None
+    print(f"{table}\n(preflight: {time.time() - t0:.0f}s)", flush=True)
+
+
 def run(cfg: Config, resume=None) -> dict:
     """One training run; ``resume`` (a :class:`prorl_async.checkpoint.Checkpoint` of ``cfg.run_dir``)
     continues that run exactly where the checkpoint left it."""
@@ -291,13 +319,16 @@ def run(cfg: Config, resume=None) -> dict:
     for module in cfg.reward.extra_modules:  # custom verifiers register their domains on import
         importlib.import_module(module)
     eval_rows = load_source(cfg.data.eval, cfg.data)
-    source = PromptSource(load_train_rows(cfg.data), seed=cfg.data.shuffle_seed)
+    source = prompt_source(cfg)
     started = init_ray(cfg)
     tracker = actors = None
     try:
         tracker = Tracker(cfg.tracking.aim_repo, cfg.tracking.experiment, cfg.tracking.run_name or run_dir.name,
                           config_to_dict(cfg), enabled=cfg.tracking.enabled, run_hash=checkpointing.aim_hash(resume))
         actors = Actors.start(cfg, model_path, name=f"prorl-{run_dir.name}")
+        if isinstance(source, Curriculum) and resume is None:
+            run_preflight(cfg, actors, source)
+            tracker.track(source.metrics(), 0)
         before = {} if resume is not None else held_out(cfg, actors, eval_rows, 0, tracker)
         if before:  # the first held-out score the reference-reset policy sees
             ray.get(actors.learner.observe_validation.remote(0, before["val/pass@1"]))
@@ -327,6 +358,9 @@ def run(cfg: Config, resume=None) -> dict:
                    "weight_resyncs": loop.s.resyncs, "reissued_prompts": loop.s.reissued,
                    "weight_sync_backend": actors.sync_backend,
                    "prompts_consumed": source.consumed, "final_metrics": history[-1] if history else {}}
+        if isinstance(source, Curriculum):
+            summary["curriculum"] = source.state_dict()["pools"]
+            print(source.table("curriculum at the end"), flush=True)
         tracker.set("summary", {k: v for k, v in summary.items() if k != "final_metrics"})
         write_final(run_dir, summary, history, loop.s.trained_groups)
         print(format_table(loop.s.before, after), flush=True)

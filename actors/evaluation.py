@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ray
 
+from prorl_async.algo.sampling import DEFAULT_TOL, uninformative_reason
 from prorl_async.config import Config
 from prorl_async.metrics import pass_at_k
 from prorl_async.tracking import Tracker, bar
@@ -53,6 +54,33 @@ def held_out(cfg: Config, actors: Actors, rows: list[dict], step: int, tracker: 
     """The before/after table's metrics: sampled pass@1 and pass@k, and greedy pass@1 (with bars)."""
     return {**evaluate(cfg, actors, rows, step, tracker, show=True),
             **evaluate(cfg, actors, rows, step, tracker, greedy=True, show=True)}
+
+
+def preflight(cfg: Config, actors: Actors, rows_by_pool: dict) -> dict:
+    """The curriculum's preflight (:mod:`prorl_async.curriculum`): ``rollout.n`` samples of every row
+    at the rollout's sampling settings, graded; ``{pool: [groups, groups with signal, reward sum,
+    valid samples]}`` as the replay buffer counts them (a group has signal when its valid rewards differ)."""
+    rows = [row for pool in rows_by_pool.values() for row in pool]
+    chunk, refs = cfg.rollout.prompts_per_request, []
+    for i in range(0, len(rows), chunk):
+        part, gen = rows[i:i + chunk], actors.generators[(i // chunk) % len(actors.generators)]
+        seed = cfg.rollout.seed * 1_000_003 + 104_729 * (i + 1) + 3  # apart from the rollouts' and evaluations' seeds
+        refs.append(actors.grader.grade.remote(part, gen.generate.remote(part, cfg.rollout.n, seed)))
+    groups: dict = {}  # (domain, prompt_id) -> ([rewards], [valid])
+    for b in gather(refs, "preflight: sampling every pool of the training mix"):
+        d = b.to_pydict()
+        for pid, dom, rew, valid in zip(d["prompt_id"], d["domain"], d["raw_reward"], d["reward_valid"]):
+            rs, vs = groups.setdefault((dom, pid), ([], []))
+            rs.append(rew)
+            vs.append(valid)
+    out: dict = {}
+    for (dom, _), (rs, vs) in groups.items():
+        pool = out.setdefault(dom, [0, 0, 0.0, 0])
+        pool[0] += 1
+        pool[1] += uninformative_reason(rs, vs, DEFAULT_TOL) is None
+        pool[2] += sum(r for r, v in zip(rs, vs) if v)
+        pool[3] += sum(vs)
+    return out
 
 
 def gather(refs: list, label: str = "") -> list:

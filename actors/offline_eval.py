@@ -37,10 +37,11 @@ def model_override(model: str) -> str:
 def report(result: dict, k: int) -> str:
     """pass@1 and pass@k per domain (``all`` first), one row each."""
     domains = ["all"] + sorted({key.split("/", 1)[1] for key in result if key.startswith("pass@1/")})
-    rows = [f"{'domain':<16}{'pass@1':>10}{f'pass@{k}':>10}"]
+    w = max(16, *(len(d) + 2 for d in domains))
+    rows = [f"{'domain':<{w}}{'pass@1':>10}{f'pass@{k}':>10}"]
     for d in domains:
         suffix = "" if d == "all" else f"/{d}"
-        rows.append(f"{d:<16}{result[f'pass@1{suffix}']:>10.3f}{result.get(f'pass@{k}{suffix}', float('nan')):>10.3f}")
+        rows.append(f"{d:<{w}}{result[f'pass@1{suffix}']:>10.3f}{result.get(f'pass@{k}{suffix}', float('nan')):>10.3f}")
     return "\n".join(rows)
 
 

@@ -78,6 +78,8 @@ class ReplayBuffer:
         self.counters["samples_in"] += batch.num_rows
         invalid = int((~valid).sum())
         self.counters["samples_invalid"] += invalid
+        domains = np.asarray(batch.column("domain").to_pylist(), dtype=object)
+        pools: dict = {}  # domain -> [groups, groups with signal, reward sum, valid samples] (the curriculum's input)
         _, first, inverse = np.unique(keys_np, return_index=True, return_inverse=True)
         members = np.split(np.argsort(inverse, kind="stable"), np.cumsum(np.bincount(inverse))[:-1])
         for g in np.argsort(first):  # groups in arrival order
@@ -85,6 +87,11 @@ class ReplayBuffer:
             good = idx[valid[idx]]
             self.counters["groups_in"] += 1
             reason = uninformative_reason(raw[idx], valid[idx], DEFAULT_TOL)
+            pool = pools.setdefault(domains[idx[0]], [0, 0, 0.0, 0])
+            pool[0] += 1
+            pool[1] += reason is None
+            pool[2] += float(raw[good].sum())
+            pool[3] += len(good)
             if reason == "too_few_valid":
                 self.counters["groups_dropped_invalid"] += 1
                 why["invalid"] += 1
@@ -104,7 +111,7 @@ class ReplayBuffer:
             kept += 1
         return {"kept": kept, "dropped": dropped, "dropped_by": dict(why), "invalid_samples": invalid, "size": len(self._heap),
                 "invalid_reasons": dict(Counter(np.asarray(batch.column("grade_reason").to_pylist())[~valid].tolist())),
-                "stats": rollout_stats(batch)}
+                "stats": rollout_stats(batch), "pools": pools}
 
     def take(self, learner_version: int, num_groups: int) -> tuple[Optional[pa.Table], dict]:
         """The ``num_groups`` oldest admissible groups as one Table, or None if too few.

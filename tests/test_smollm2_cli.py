@@ -30,3 +30,26 @@ def test_smollm2_config_trains_two_steps(tmp_path, smollm2_model, model_cache):
         assert h["async/trained_staleness_max"] <= 1
     assert "step    2/2" in res.stdout and "held-out" in res.stdout
     assert " INFO " not in out  # vLLM's INFO logging is quiet by default
+
+
+def test_prorl_smollm2_config_preflights_its_pools_and_trains(tmp_path, smollm2_model, model_cache):
+    """configs/prorl_smollm2_cpu.yaml (Reasoning Gym pools, curriculum, KL with a reference) for two
+    small steps: the preflight table, the pools in every step's metrics, a finite step with KL."""
+    pytest.importorskip("reasoning_gym")
+    run_dir = tmp_path / "run"
+    res = cli("train", "--config", str(ROOT / "configs" / "prorl_smollm2_cpu.yaml"),
+              "train.total_steps=2", "train.prompts_per_step=4", "rollout.prompts_per_request=8",
+              "curriculum.preflight_prompts=2", "rollout.max_new_tokens=24", "train.eval_interval=0",
+              "data.eval=reasoning-gym:gcd?n=2&seed=2&split=eval&shots=2&max_value=20", "train.eval_samples=1",
+              "train.checkpoint_interval=0", f"model.cache_dir={model_cache}", f"run_dir={run_dir}", timeout=1500)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    assert "preflight:" in res.stdout and "pools active" in res.stdout, res.stdout[-3000:]
+    history = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history] == [1, 2]
+    pools = {k.split("/", 2)[2] for k in history[-1] if k.startswith("curriculum/active/")}
+    assert len(pools) >= 12 and all(p.startswith("rg:") for p in pools)
+    assert history[-1]["curriculum/active_pools"] >= 1
+    for h in history:  # a finite step, with the KL term to the reference model in the loss
+        assert math.isfinite(h["actor/pg_loss"]) and math.isfinite(h["actor/grad_norm"])
+        assert math.isfinite(h["kl/loss_term"]) and h["kl/loss_term"] >= 0

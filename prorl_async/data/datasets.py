@@ -12,7 +12,9 @@ or a built-in source ``builtin:<name>?n=<int>&seed=<int>&split=<train|eval>`` (`
 ``arithmetic`` — :mod:`prorl_async.data.arithmetic` — or one of
 :mod:`prorl_async.data.builtin`'s: ``multidomain``, ``math``, ``code``, ``stem``, ``logic``,
 ``instruction``; or ``humaneval``, the 164 HumanEval problems of
-:mod:`prorl_async.data.humaneval`). A row that does not match the schema is reported with its line (JSONL) or
+:mod:`prorl_async.data.humaneval`), or a Reasoning Gym source ``reasoning-gym:TASK[+TASK...]?...``
+(:mod:`prorl_async.data.reasoning_gym`). Several sources joined by ``;`` are their rows in turn
+(e.g. the easy and the harder levels of a held-out set). A row that does not match the schema is reported with its line (JSONL) or
 row (Parquet) number, 1-based, and the reason: skipped with one warning that lists them and
 their count, or, with ``strict=True``, a ValueError naming the file, the line and the reason.
 Built-in sources are always validated strictly (a bad generated row is a bug).
@@ -41,7 +43,7 @@ from prorl_async.data import layouts
 logger = logging.getLogger(__name__)
 
 NEEDS = {"math": "answer", "logic": "answer", "stem": "answer", "arithmetic": "answer", "chat-arith": "answer",
-         "code": "tests", "instruction": "constraints"}
+         "code": "tests", "instruction": "constraints", "rg": "answer"}  # by verifier (rewards.verifier_domain)
 _JSON_COLUMNS = ("tests", "constraints", "meta", "choices")
 _MAX_LISTED = 20
 
@@ -58,6 +60,21 @@ def load_rows(source: str, strict: bool = False, *, input_key: str = "", label_k
 
     ``input_key``, ``label_key`` and ``domain`` apply to files only (:mod:`.layouts`).
     """
+    if ";" in source:
+        rows = [row for part in source.split(";") if part.strip()
+                for row in load_rows(part.strip(), strict, input_key=input_key, label_key=label_key, domain=domain)]
+        good, bad = validate_rows(rows, unit="row")  # ids unique across the parts too
+        if bad:
+            raise ValueError(f"{source}: row {bad[0][0]}: {bad[0][1]}")
+        return good
+    if source.startswith("reasoning-gym:"):
+        from prorl_async.data import reasoning_gym
+
+        rows = reasoning_gym.generate(source)
+        good, bad = validate_rows(rows, unit="row")
+        if bad:
+            raise ValueError(f"{source}: row {bad[0][0]}: {bad[0][1]}")
+        return good
     if source.startswith("builtin:"):
         rows = _builtin(source)
         good, bad = validate_rows(rows, unit="row")
@@ -93,7 +110,7 @@ def validate_rows(rows, unit: str = "row") -> tuple[list[dict], list[tuple[int, 
 
     ``rows`` is a list of dicts, or of ``(position, dict | Exception)`` pairs from a reader.
     """
-    from prorl_async.rewards import VERIFIERS
+    from prorl_async.rewards import VERIFIERS, verifier_domain
 
     good, bad, seen = [], [], set()
     for k, item in enumerate(rows):
@@ -101,7 +118,7 @@ def validate_rows(rows, unit: str = "row") -> tuple[list[dict], list[tuple[int, 
         if isinstance(row, Exception):
             bad.append((where, str(row)))
             continue
-        reason = _row_problem(row, VERIFIERS)
+        reason = _row_problem(row, VERIFIERS, verifier_domain)
         if reason is None and row["id"] in seen:
             reason = f"duplicate id {row['id']!r}"
         if reason is not None:
@@ -112,7 +129,7 @@ def validate_rows(rows, unit: str = "row") -> tuple[list[dict], list[tuple[int, 
     return good, bad
 
 
-def _row_problem(row, verifiers) -> str | None:
+def _row_problem(row, verifiers, verifier_domain) -> str | None:
     if not isinstance(row, dict):
         return f"a row must be an object, got {type(row).__name__}"
     for col in _JSON_COLUMNS:
@@ -125,7 +142,8 @@ def _row_problem(row, verifiers) -> str | None:
     if not isinstance(rid, str) or not rid:
         return "missing id (a non-empty string)"
     domain = row.get("domain")
-    if domain not in verifiers:
+    family = verifier_domain(domain)
+    if family is None:
         return f"unknown domain {domain!r}; known: {sorted(verifiers)}"
     prompt = row.get("prompt")
     if isinstance(prompt, list):
@@ -136,7 +154,7 @@ def _row_problem(row, verifiers) -> str | None:
         return "missing prompt (a non-empty string or a list of messages)"
     if "meta" in row and row["meta"] is not None and not isinstance(row["meta"], dict):
         return "meta must be an object"
-    need = NEEDS.get(domain)
+    need = NEEDS.get(family)
     if need == "answer":
         ans = row.get("answer")
         if ans is None or isinstance(ans, bool) or not isinstance(ans, (str, int, float)) \

@@ -5,8 +5,9 @@ instruction following; Liu et al., "ProRL: Prolonged Reinforcement Learning Expa
 Boundaries in Large Language Models", 2025, Sec. 3), plus the tiny ``arithmetic`` task this
 project uses as its default CPU training set.
 
-``grade(row, response, **options)`` looks up ``VERIFIERS[row["domain"]]`` and returns a
-:class:`Grade`. ``valid=False`` means the verifier could not decide (see
+``grade(row, response, **options)`` looks up ``VERIFIERS[row["domain"]]`` (or, for a domain
+``FAMILY:NAME`` that is not registered itself, ``VERIFIERS[FAMILY]``: every Reasoning Gym task is
+a domain ``rg:TASK`` of the ``rg`` verifier) and returns a :class:`Grade`. ``valid=False`` means the verifier could not decide (see
 :mod:`prorl_async.rewards.base`); the learner masks such samples out. Exceptions raised by a
 verifier propagate from :func:`grade` (let errors propagate); :class:`~prorl_async.rewards.pool.GraderPool`
 is where they are caught, counted and turned into ``valid=False`` grades, under a hard,
@@ -34,7 +35,7 @@ from typing import Callable
 
 from prorl_async.rewards.base import Grade, checked, invalid
 
-__all__ = ["Grade", "VERIFIERS", "DEFAULT_OPTIONS", "register", "grade", "invalid"]
+__all__ = ["Grade", "VERIFIERS", "DEFAULT_OPTIONS", "register", "grade", "invalid", "verifier_domain"]
 
 Verifier = Callable[..., Grade]
 
@@ -65,6 +66,16 @@ def register(domain: str, fn: Verifier) -> None:
     _TAKES_OPTIONS[domain] = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
+def verifier_domain(domain) -> str | None:
+    """The registered name that grades ``domain``: itself, or its family (the part before ``:``)."""
+    if not isinstance(domain, str):
+        return None
+    if domain in VERIFIERS:
+        return domain
+    family = domain.split(":", 1)[0]
+    return family if ":" in domain and family in VERIFIERS else None
+
+
 def resolve_options(options: dict) -> dict:
     """``DEFAULT_OPTIONS`` updated with ``options``; unknown names and bad modes raise ValueError."""
     unknown = sorted(set(options) - set(DEFAULT_OPTIONS))
@@ -84,12 +95,13 @@ def grade(row: dict, response: str, **options) -> Grade:
     unknown option. A non-finite reward comes back as ``Grade(valid=False, reason="non_finite")``.
     """
     domain = row.get("domain")
-    fn = VERIFIERS.get(domain)  # type: ignore[arg-type]
-    if fn is None:
+    name = verifier_domain(domain)
+    if name is None:
         raise ValueError(
             f"row {row.get('id')!r}: unknown domain {domain!r}; known domains: {sorted(VERIFIERS)}"
         )
-    if _TAKES_OPTIONS[domain]:
+    fn = VERIFIERS[name]
+    if _TAKES_OPTIONS[name]:
         result = fn(row, response, **resolve_options(options))
     else:
         if options:
@@ -101,7 +113,7 @@ def grade(row: dict, response: str, **options) -> Grade:
 
 
 def _register_builtins() -> None:
-    from prorl_async.rewards import arithmetic, chat_arith, code, instruction, logic, math, stem
+    from prorl_async.rewards import arithmetic, chat_arith, code, instruction, logic, math, reasoning_gym, stem
 
     register("arithmetic", arithmetic.verify)
     register("math", math.verify)
@@ -110,6 +122,7 @@ def _register_builtins() -> None:
     register("logic", logic.verify)
     register("instruction", instruction.verify)
     register("chat-arith", chat_arith.verify)
+    register("rg", reasoning_gym.verify)  # domains rg:TASK[@LEVEL] (prorl_async.data.reasoning_gym)
 
 
 _register_builtins()

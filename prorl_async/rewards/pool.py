@@ -87,7 +87,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import recvfds, sendfds
 from typing import Sequence
 
-from prorl_async.rewards import VERIFIERS, grade, resolve_options
+from prorl_async.rewards import grade, resolve_options, verifier_domain
 from prorl_async.rewards.base import Grade, invalid
 
 _PROGRESS = struct.Struct("dd")  # worker writes: (index in chunk, start time on CLOCK_MONOTONIC; 0 = idle)
@@ -103,7 +103,7 @@ _TOTALS = ("responses", "timeouts", "errors", "nonfinite", "worker_died", "resta
 def safe_grade(row: dict, response: str, options: dict) -> Grade:
     """:func:`grade` with every failure turned into an invalid grade (what a worker runs)."""
     domain = row.get("domain") if isinstance(row, dict) else None
-    if domain not in VERIFIERS:
+    if verifier_domain(domain) is None:
         return invalid(str(domain), "unknown_domain")
     try:
         return grade(row, response, **options)

@@ -1,0 +1,209 @@
+"""Data chosen by signal: pools per task (or difficulty level), held back while they teach nothing.
+
+A group teaches the policy something only when its rewards differ (DAPO's dynamic sampling,
+Yu et al. 2025, arXiv 2503.14476, Sec. 3.2, drops the others); a task the policy never or always
+solves fills batches with groups that are dropped and refilled. ProRL (Liu et al. 2025, arXiv
+2505.24864, Sec. 3) filters its prompts by the base model's pass rate for the same reason, once,
+offline; here the pools are kept up to date during the run, so a task that was out of reach comes
+back when the policy has grown into it, and a solved one steps aside (prime-rl's difficulty
+pools do this per problem; here it is per pool, which needs no per-prompt history).
+
+* A **pool** is every training row of one domain (``rg:TASK@LEVEL`` for Reasoning Gym, so levels
+  are pools of their own).
+* The **signal** of a pool is the share of its groups whose rewards are not all equal, and its
+  **pass rate** the mean reward of its samples (pass@1 where rewards are 0 or 1; with partial
+  credit, the mean score: the table's ``reward`` column); both are moving averages over about ``window``
+  groups (an exponential average with weight 1/window per group), started from the preflight.
+* **Preflight** (before step 1): ``preflight_prompts`` prompts of every pool, sampled as the
+  rollouts are; the table of mean reward and signal per pool is printed and the pools are split.
+  No pool with signal: the run stops at once with that table (:class:`NoSignal`).
+* A pool is **active** while its signal is at least ``min_signal`` and **held** otherwise
+  (too hard: pass rate <= 0.5, or solved); an active pool is held only once its signal falls
+  below half of ``min_signal`` (hysteresis), so a pool does not flip on one unlucky request.
+* Prompts come round-robin from the active pools (each pool an equal share, whatever its size);
+  ``probe_frac`` of them (at least one per request of two or more prompts while any pool is held)
+  come from the held pools in turn, so their averages keep moving and a held pool whose signal
+  reaches ``min_signal`` is **re-admitted**.
+
+Every pool walks its own rows as :class:`~prorl_async.data.source.PromptSource` does (a seeded
+shuffle per epoch); :meth:`Curriculum.state_dict` holds the pools' cursors, averages, statuses and
+the round-robin positions, so a resumed run draws exactly the prompts an uninterrupted run draws.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from prorl_async.data.source import PromptSource
+
+ACTIVE, HELD = "active", "held"
+
+
+class NoSignal(RuntimeError):
+    """No pool of the training mix has signal: nothing can be learned from it as it is."""
+
+
+@dataclass
+class Pool:
+    name: str
+    source: PromptSource
+    status: str = ACTIVE
+    signal: float = 0.0       # moving share of groups with unequal rewards
+    pass_rate: float = 0.0    # moving mean reward
+    groups: int = 0           # groups observed (preflight included)
+    changes: list = field(default_factory=list)  # (step, new status, signal) of every change
+
+    def observe(self, groups: int, signal_groups: int, reward_sum: float, samples: int, alpha: float) -> None:
+        if groups <= 0:
+            return
+        w = 1.0 - (1.0 - alpha) ** groups if self.groups else 1.0  # the first observation sets the average
+        self.signal += w * (signal_groups / groups - self.signal)
+        if samples:
+            self.pass_rate += w * (reward_sum / samples - self.pass_rate)
+        self.groups += groups
+
+
+class Curriculum:
+    """The pools of a run's training rows and the rule that feeds requests from them."""
+
+    def __init__(self, rows: list[dict], seed: int, min_signal: float, probe_frac: float, window: int):
+        if not rows:
+            raise ValueError("the training dataset is empty; check data.train")
+        by_domain: dict[str, list[dict]] = {}
+        for row in rows:
+            by_domain.setdefault(row["domain"], []).append(row)
+        self.pools = {name: Pool(name, PromptSource(r, seed=seed + k))
+                      for k, (name, r) in enumerate(sorted(by_domain.items()))}
+        self.min_signal, self.probe_frac, self.alpha = min_signal, probe_frac, 1.0 / max(window, 1)
+        self.seed = seed
+        self.turn = {ACTIVE: 0, HELD: 0}  # round-robin positions
+        self.probe_debt = 0.0             # probes owed (fractional) to the held pools
+        self.consumed = 0
+        self.step = 0                     # the learner version the last observation was made at
+
+    # ------------------------------------------------------------------ choosing prompts
+    def names(self, status: str) -> list[str]:
+        return [n for n, p in self.pools.items() if p.status == status]
+
+    def _next_from(self, status: str) -> dict:
+        names = self.names(status)
+        name = names[self.turn[status] % len(names)]
+        self.turn[status] += 1
+        return self.pools[name].source.next(1)[0]
+
+    def next(self, k: int) -> list[dict]:
+        """``k`` prompts: round-robin over the active pools, ``probe_frac`` from the held ones."""
+        out = []
+        held = self.names(HELD)
+        probes = 0
+        if held and self.probe_frac > 0:
+            self.probe_debt += self.probe_frac * k
+            # at least one per request of two or more prompts; a one-prompt request (what admission
+            # control sizes near a run's end) only when a whole probe is owed, or the held pools
+            # would take every such request and the active pools starve
+            probes = min(k, max(int(k > 1), int(self.probe_debt)))
+            self.probe_debt = max(0.0, self.probe_debt - probes)
+        if not self.names(ACTIVE):
+            probes = k
+        for _ in range(k - probes):
+            out.append(self._next_from(ACTIVE))
+        for _ in range(probes):
+            out.append(self._next_from(HELD))
+        self.consumed += k
+        return out
+
+    def preflight_rows(self, per_pool: int) -> dict[str, list[dict]]:
+        """``per_pool`` training rows of every pool for the preflight (a seeded draw that moves no cursor)."""
+        out = {}
+        for name, pool in self.pools.items():
+            rows = list(pool.source.rows)
+            random.Random(f"preflight-{self.seed}-{name}").shuffle(rows)
+            out[name] = [rows[i % len(rows)] for i in range(per_pool)]
+        return out
+
+    # ------------------------------------------------------------------ observing
+    def observe(self, pools: dict, step: int) -> list[str]:
+        """Graded groups per pool (``{pool: [groups, signal_groups, reward_sum, samples]}``, what the
+        replay buffer's ``put`` reports); returns a line for every pool whose status changed."""
+        self.step = step
+        lines = []
+        for name, (groups, signal_groups, reward_sum, samples) in pools.items():
+            pool = self.pools.get(name)
+            if pool is None:  # a domain this run does not train (cannot happen from its own requests)
+                continue
+            pool.observe(int(groups), int(signal_groups), float(reward_sum), int(samples), self.alpha)
+            if line := self._decide(pool, step):
+                lines.append(line)
+        return lines
+
+    def _decide(self, pool: Pool, step: int) -> str:
+        if pool.status == HELD and pool.signal >= self.min_signal:
+            new = ACTIVE
+        elif pool.status == ACTIVE and pool.signal < self.min_signal / 2 and len(self.names(ACTIVE)) > 1:
+            new = HELD  # the last active pool stays: held pools are probed, active ones feed the batches
+        else:
+            return ""
+        pool.status = new
+        pool.changes.append((step, new, round(pool.signal, 4)))
+        verb = "re-admitted" if new == ACTIVE else f"held back ({self.why_held(pool)})"
+        return (f"curriculum: {pool.name} {verb} at step {step}: signal {pool.signal:.2f}, "
+                f"pass rate {pool.pass_rate:.2f} over {pool.groups} groups")
+
+    @staticmethod
+    def why_held(pool: Pool) -> str:
+        return "too hard" if pool.pass_rate <= 0.5 else "solved"
+
+    def preflight(self, results: dict) -> str:
+        """Set every pool from its preflight (``results``: ``{pool: [groups, signal_groups,
+        reward_sum, samples]}``) and return the table; raises :class:`NoSignal` when no pool has signal."""
+        for name, pool in self.pools.items():
+            groups, signal_groups, reward_sum, samples = results.get(name, (0, 0, 0.0, 0))
+            pool.observe(int(groups), int(signal_groups), float(reward_sum), int(samples), self.alpha)
+            pool.status = ACTIVE if pool.signal >= self.min_signal else HELD
+            pool.changes.append((0, pool.status, round(pool.signal, 4)))
+        table = self.table("preflight")
+        if not self.names(ACTIVE):
+            raise NoSignal(f"no task of the training mix has signal (a group with unequal rewards in at least "
+                           f"{self.min_signal:.0%} of its groups) at the start:\n{table}\nFix: easier levels of "
+                           f"these tasks (task options in the source), few-shot demos (shots=2), another answer "
+                           f"format (answer=stated), more samples per prompt (rollout.n), a higher "
+                           f"rollout.temperature, or curriculum.min_signal lower")
+        return table
+
+    # ------------------------------------------------------------------ reporting
+    def table(self, title: str) -> str:
+        rows = [f"{title}: {len(self.names(ACTIVE))} of {len(self.pools)} pools active",
+                f"{'pool':<34}{'groups':>8}{'reward':>9}{'signal':>9}  status"]
+        for name, p in self.pools.items():
+            status = p.status if p.status == ACTIVE else f"held ({self.why_held(p)})"
+            rows.append(f"{name:<34}{p.groups:>8}{p.pass_rate:>9.3f}{p.signal:>9.3f}  {status}")
+        return "\n".join(rows)
+
+    def metrics(self) -> dict[str, float]:
+        out = {"curriculum/active_pools": float(len(self.names(ACTIVE))),
+               "curriculum/held_pools": float(len(self.names(HELD)))}
+        for name, p in self.pools.items():
+            out[f"curriculum/signal/{name}"] = p.signal
+            out[f"curriculum/pass_rate/{name}"] = p.pass_rate
+            out[f"curriculum/active/{name}"] = float(p.status == ACTIVE)
+        return out
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict:
+        return {"kind": "curriculum", "consumed": self.consumed, "turn": dict(self.turn),
+                "probe_debt": self.probe_debt, "step": self.step,
+                "pools": {n: {"source": p.source.state_dict(), "status": p.status, "signal": p.signal,
+                              "pass_rate": p.pass_rate, "groups": p.groups, "changes": [list(c) for c in p.changes]}
+                          for n, p in self.pools.items()}}
+
+    def load_state_dict(self, s: dict) -> None:
+        if s.get("kind") != "curriculum" or set(s["pools"]) != set(self.pools):
+            raise ValueError(f"the checkpoint's prompt source (pools {sorted(s.get('pools', {}))}) does not match "
+                             f"this run's curriculum pools {sorted(self.pools)}; resume with the run's own data config")
+        self.consumed, self.turn, self.probe_debt, self.step = s["consumed"], dict(s["turn"]), s["probe_debt"], s["step"]
+        for n, d in s["pools"].items():
+            p = self.pools[n]
+            p.source.load_state_dict(d["source"])
+            p.status, p.signal, p.pass_rate, p.groups = d["status"], d["signal"], d["pass_rate"], d["groups"]
+            p.changes = [tuple(c) for c in d["changes"]]

@@ -1,0 +1,104 @@
+"""Reasoning Gym sources: parsing, splits, shots, options, and the task's own scorer as the verifier."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("reasoning_gym")
+
+from prorl_async.data import reasoning_gym as rg  # noqa: E402
+from prorl_async.data.datasets import load_rows  # noqa: E402
+from prorl_async.rewards import grade  # noqa: E402
+from prorl_async.rewards.pool import GraderPool  # noqa: E402
+
+EASY_SUM = "reasoning-gym:chain_sum?n=12&seed=3&min_terms=2&max_terms=2&min_digits=1&max_digits=1"
+
+
+def test_rows_carry_what_the_scorer_needs_and_the_gold_answer_scores_one():
+    rows = load_rows("reasoning-gym:spell_backward+chain_sum?n=6&seed=3")
+    assert [r["domain"] for r in rows] == ["rg:spell_backward"] * 6 + ["rg:chain_sum"] * 6
+    for r in rows:
+        assert r["meta"]["task"] in ("spell_backward", "chain_sum") and r["meta"]["entry"]["answer"] == r["answer"]
+        assert r["prompt"][-1] == {"role": "user", "content": r["meta"]["entry"]["question"]}
+        assert grade(r, f"Let me think. <answer>{r['answer']}</answer>").reward == 1.0
+        wrong = grade(r, "<answer>not it</answer>")
+        assert wrong.valid and wrong.reward < 1.0 and wrong.reason in ("wrong", "partial")
+    assert len({r["id"] for r in rows}) == 12
+
+
+def test_options_pass_through_to_the_task_config():
+    rows = load_rows(EASY_SUM + "&level=easy")
+    assert {r["domain"] for r in rows} == {"rg:chain_sum@easy"}
+    for r in rows:  # two one-digit terms: "a + b" with a, b < 10
+        terms = [int(t) for t in r["meta"]["entry"]["question"].split("=")[0].replace("?", "").split() if t.isdigit()]
+        assert len(terms) == 2 and all(0 <= t <= 9 for t in terms), r["meta"]["entry"]["question"]
+    both = load_rows("reasoning-gym:chain_sum+gcd?n=3&chain_sum.max_terms=2&max_value=9")
+    assert all(int(r["answer"]) <= 9 for r in both if r["domain"] == "rg:gcd")  # a bare option: every task having it
+
+
+def test_train_eval_and_demo_splits_never_share_a_question():
+    train = load_rows("reasoning-gym:gcd?n=150&seed=1&max_value=20")
+    evals = load_rows("reasoning-gym:gcd?n=40&seed=1&split=eval&max_value=20&shots=3")
+    q = lambda r: r["meta"]["entry"]["question"]  # noqa: E731
+    assert not {q(r) for r in train} & {q(r) for r in evals}
+    demos = {m["content"] for m in evals[0]["prompt"][1:-1:2]}
+    assert len(demos) == 3 and not demos & {q(r) for r in train + evals}
+    assert all(rg.split_of(d) == "demo" for d in demos)
+    # the shots are the same for every prompt, and for the train source of the same settings
+    assert all(r["prompt"][:-1] == evals[0]["prompt"][:-1] for r in evals)
+    assert load_rows("reasoning-gym:gcd?n=2&seed=9&max_value=20&shots=3")[0]["prompt"][:-1] == evals[0]["prompt"][:-1]
+
+
+def test_rows_are_deterministic_in_the_seed():
+    a, b = load_rows(EASY_SUM), load_rows(EASY_SUM)
+    c = load_rows(EASY_SUM.replace("seed=3", "seed=4"))
+    assert a == b and [r["answer"] for r in a] != [r["answer"] for r in c]
+
+
+@pytest.mark.parametrize("source, words", [
+    ("reasoning-gym:chain_sums?n=5", ["unknown Reasoning Gym task", "'chain_sums'", "chain_sum", "spell_backward"]),
+    ("reasoning-gym:chain_sum?n=5&min_term=2", ["unknown option 'min_term'", "min_terms", "max_digits"]),
+    ("reasoning-gym:chain_sum?n=5&gcd.max_value=3", ["names task 'gcd'"]),
+    ("reasoning-gym:chain_sum?n=x", ["integers"]),
+    ("reasoning-gym:chain_sum?answer=boxed", ["answer must be tags or stated"]),
+    ("reasoning-gym:chain_sum?split=test", ["split must be train or eval"]),
+])
+def test_a_bad_source_is_one_error_naming_what_is_valid(source, words):
+    with pytest.raises(ValueError) as err:
+        load_rows(source)
+    msg = str(err.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+def test_the_stated_answer_format():
+    row = load_rows(EASY_SUM + "&answer=stated&shots=1")[0]
+    gold = row["answer"]
+    assert row["prompt"][2] == {"role": "assistant", "content": f"The answer is {row['prompt'][2]['content'][14:-1]}."}
+    assert grade(row, f"We add them. The answer is {gold}.").reason == "correct"
+    assert grade(row, f"{gold}").reason == "correct"  # a bare short answer
+    assert grade(row, f"1 + 2 = 3, so the answer is **{gold}**").reason == "correct"
+    assert grade(row, f"The answer is {gold}. No wait, the answer is {int(gold) + 1}.").reason == "wrong"
+    assert grade(row, "We need to add the two numbers together and then\nreport it").reason == "no_answer"
+
+
+def test_no_answer_is_apart_from_wrong_and_a_malformed_row_is_invalid():
+    row = load_rows(EASY_SUM)[0]
+    assert grade(row, "I think it is 5").reason == "no_answer"
+    assert grade(row, "I think it is 5").valid
+    assert grade(row, "<answer>-1000</answer>").reason == "wrong"
+    bad = {**row, "meta": {"answer_format": "tags"}}
+    g = grade(bad, f"<answer>{row['answer']}</answer>")
+    assert not g.valid and g.reason.startswith("malformed_row")
+
+
+def test_partial_credit_is_a_continuous_reward():
+    row = load_rows("reasoning-gym:spell_backward?n=1&seed=2&min_word_len=6&max_word_len=6")[0]
+    g = grade(row, f"<answer>{row['answer']}xx</answer>")  # the default scorer's partial credit
+    assert g.valid and 0 < g.reward < 1 and g.reason == "partial"
+
+
+def test_the_scorer_runs_in_the_grader_pool():
+    rows = load_rows(EASY_SUM)[:4]
+    with GraderPool(num_workers=1, timeout_s=20.0) as pool:
+        grades = pool.grade_many(rows, [f"<answer>{r['answer']}</answer>" for r in rows[:2]] + ["<answer>x</answer>"] * 2)
+    assert [g.reward for g in grades] == [1.0, 1.0, 0.0, 0.0] and all(g.valid for g in grades)

@@ -1,0 +1,130 @@
+"""The curriculum's rule (prorl_async.curriculum), pure: pools, preflight, probes, hold and re-admit, resume."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pyarrow as pa
+import pytest
+
+from prorl_async.buffer import ReplayBuffer
+from prorl_async.curriculum import ACTIVE, HELD, Curriculum, NoSignal
+from prorl_async.data.schema import rollout_batch
+
+
+def rows(domain: str, n: int) -> list[dict]:
+    return [{"id": f"{domain}-{i}", "domain": domain, "prompt": f"q{i}", "answer": "1"} for i in range(n)]
+
+
+def make(min_signal=0.1, probe_frac=0.125, window=8, seed=0):
+    return Curriculum(rows("easy", 20) + rows("hard", 30) + rows("solved", 10), seed=seed, min_signal=min_signal,
+                      probe_frac=probe_frac, window=window)
+
+
+PREFLIGHT = {"easy": [8, 4, 10.0, 32], "hard": [8, 0, 0.0, 32], "solved": [8, 0, 32.0, 32]}
+
+
+def test_preflight_splits_pools_by_signal_and_prints_the_table():
+    c = make()
+    table = c.preflight(PREFLIGHT)
+    assert c.names(ACTIVE) == ["easy"] and sorted(c.names(HELD)) == ["hard", "solved"]
+    assert "preflight: 1 of 3 pools active" in table
+    line = {ln.split()[0]: ln for ln in table.splitlines()[2:]}
+    assert line["easy"].split()[1:4] == ["8", "0.312", "0.500"] and line["easy"].endswith("active")
+    assert line["hard"].endswith("held (too hard)") and line["solved"].endswith("held (solved)")
+
+
+def test_a_mix_without_signal_is_one_error_with_the_table():
+    c = make()
+    with pytest.raises(NoSignal) as err:
+        c.preflight({"easy": [8, 0, 0.0, 32], "hard": [8, 0, 0.0, 32], "solved": [8, 0, 32.0, 32]})
+    msg = str(err.value)
+    assert msg.startswith("no task of the training mix has signal") and "held (too hard)" in msg
+    assert "easy" in msg and "Fix:" in msg and "shots=2" in msg
+
+
+def test_requests_come_from_active_pools_with_a_probe_of_the_held():
+    c = make(probe_frac=0.125)
+    c.preflight(PREFLIGHT)
+    drawn = [r["domain"] for _ in range(10) for r in c.next(8)]
+    counts = Counter(drawn)
+    assert counts["easy"] == 70 and counts["hard"] == 5 and counts["solved"] == 5  # one probe per request, in turn
+    assert c.consumed == 80
+
+
+def test_one_prompt_requests_do_not_starve_the_active_pools():
+    c = make(probe_frac=0.125)
+    c.preflight(PREFLIGHT)
+    drawn = Counter(c.next(1)[0]["domain"] for _ in range(80))  # admission control's smallest requests
+    assert drawn["easy"] == 70 and drawn["hard"] + drawn["solved"] == 10  # probe_frac of them, not all
+
+
+def test_active_pools_share_requests_equally_whatever_their_size():
+    c = Curriculum(rows("a", 5) + rows("b", 500), seed=0, min_signal=0.1, probe_frac=0.0, window=8)
+    c.preflight({"a": [4, 2, 2.0, 8], "b": [4, 2, 2.0, 8]})
+    assert Counter(r["domain"] for r in c.next(100)) == {"a": 50, "b": 50}
+
+
+def test_a_held_pool_is_readmitted_when_its_signal_rises_and_held_again_when_it_falls():
+    c = make(min_signal=0.2, window=4)
+    c.preflight(PREFLIGHT)
+    assert c.observe({"hard": [2, 0, 0.0, 8]}, step=3) == [] and c.pools["hard"].status == HELD
+    lines = c.observe({"hard": [4, 3, 5.0, 16]}, step=5)  # the policy has grown into it
+    assert c.pools["hard"].status == ACTIVE and len(lines) == 1
+    assert lines[0].startswith("curriculum: hard re-admitted at step 5")
+    # one unlucky request does not flip it back (hysteresis at half of min_signal) ...
+    c.observe({"hard": [1, 0, 0.0, 4]}, step=6)
+    assert c.pools["hard"].status == ACTIVE
+    # ... a solved stretch does
+    lines = c.observe({"hard": [12, 0, 48.0, 48]}, step=9)
+    assert c.pools["hard"].status == HELD and "held back (solved) at step 9" in lines[0]
+    assert [ch[:2] for ch in c.pools["hard"].changes] == [(0, HELD), (5, ACTIVE), (9, HELD)]
+
+
+def test_the_last_active_pool_is_never_held():
+    c = make()
+    c.preflight(PREFLIGHT)
+    c.observe({"easy": [50, 0, 0.0, 200]}, step=4)
+    assert c.names(ACTIVE) == ["easy"]
+
+
+def test_a_resumed_curriculum_draws_what_an_uninterrupted_one_draws():
+    a = make()
+    a.preflight(PREFLIGHT)
+    a.next(8)
+    a.observe({"hard": [4, 3, 5.0, 16]}, step=2)
+    state = json.loads(json.dumps(a.state_dict()))  # what the checkpoint's JSON holds
+    b = make()
+    b.load_state_dict(state)
+    for step in range(3, 12):
+        assert [r["id"] for r in a.next(8)] == [r["id"] for r in b.next(8)]
+        obs = {"easy": [3, step % 2, 1.0, 12], "solved": [1, 1, 2.0, 4]}
+        assert a.observe(obs, step) == b.observe(obs, step)
+    assert a.state_dict() == b.state_dict()
+
+
+def test_a_checkpoint_of_other_pools_is_refused():
+    a = make()
+    other = Curriculum(rows("x", 3), seed=0, min_signal=0.1, probe_frac=0.1, window=4)
+    with pytest.raises(ValueError, match="does not match this run's curriculum pools"):
+        other.load_state_dict(a.state_dict())
+
+
+def test_the_buffer_reports_graded_groups_per_pool():
+    n = 4
+    groups = [("easy", "p0", [1, 0, 0, 1]), ("easy", "p1", [0, 0, 0, 0]), ("hard", "p2", [0, 0, 0, 0]),
+              ("solved", "p3", [1, 1, 1, 1])]
+    cols = {k: [] for k in ("sample_id", "prompt_id", "domain", "prompt_ids", "response_ids", "behavior_logprobs",
+                            "policy_version", "finish_reason", "raw_reward", "reward_valid", "request_id",
+                            "response_text")}
+    for dom, pid, rewards in groups:
+        for j, r in enumerate(rewards):
+            for k, v in (("sample_id", f"{pid}-{j}"), ("prompt_id", pid), ("domain", dom), ("prompt_ids", [1]),
+                         ("response_ids", [2, 3]), ("behavior_logprobs", [-0.1, -0.2]), ("policy_version", 0),
+                         ("finish_reason", "stop"), ("raw_reward", float(r)), ("reward_valid", True),
+                         ("request_id", "r0"), ("response_text", "x")):
+                cols[k].append(v)
+    info = ReplayBuffer(max_staleness=1).put(rollout_batch(cols))
+    assert info["pools"] == {"easy": [2, 1, 2.0, 2 * n], "hard": [1, 0, 0.0, n], "solved": [1, 0, 4.0, n]}
+    assert isinstance(rollout_batch(cols), pa.RecordBatch) and info["kept"] == 1
