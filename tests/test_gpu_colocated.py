@@ -94,6 +94,7 @@ def test_one_gpu_vllm_each_learner(ray_cluster, smollm2_model, learner):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("learner", ["torch", "deepspeed"])
+@pytest.mark.timeout(1800)  # the CLI run's own limit is 1500 s
 def test_one_gpu_config_through_the_cli(tmp_path, smollm2_model, model_cache, learner):
     pytest.importorskip("vllm")
     run_dir = tmp_path / "run"

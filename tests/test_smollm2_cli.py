@@ -11,7 +11,7 @@ import pytest
 from tests.conftest import ROOT, cli
 
 pytest.importorskip("vllm")
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # ~3 min alone; a 135M model + vLLM + learner need ~4 GB free
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]  # ~3 min alone; a 135M model + vLLM + learner need ~4 GB free
 
 
 def test_smollm2_config_trains_two_steps(tmp_path, smollm2_model, model_cache):

@@ -12,7 +12,7 @@ from tests.conftest import ROOT, cli
 
 pytest.importorskip("vllm")
 pytest.importorskip("deepspeed")
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def test_cli_run_vllm_generator_deepspeed_learner(tmp_path, model_cache):
