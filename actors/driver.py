@@ -22,7 +22,7 @@ from prorl_async.config import Config, config_to_dict, save_config
 from prorl_async.curriculum import Curriculum, NoSignal
 from prorl_async.data.datasets import load_source, load_train_rows
 from prorl_async.data.source import PromptSource
-from prorl_async.metrics import domain_metrics, rollout_metrics, utilisation_metrics
+from prorl_async.metrics import domain_metrics, rollout_metrics, rss_mb, utilisation_metrics
 from prorl_async.models import resolve_model_path
 from prorl_async.outputs import format_table, prepare_run_dir, write_final
 from prorl_async.refill import RefillWatch
@@ -44,7 +44,7 @@ class TrainingLoop:
         self.run_dir, self.model_path = run_dir, model_path  # no run dir, no checkpoints
         g = len(actors.generators)
         self.s = LoopState(gen_version=[0] * g, gen_busy=[False] * g, gen_busy_s=[0.0] * g, gen_started=[0.0] * g,
-                           before=dict(before or {}))
+                           gen_rss_mb=[0.0] * g, before=dict(before or {}))
         self.s.t_start = self.s.t_last_step = self.s.last_progress = time.time()
         self.refill = RefillWatch(cfg.train.prompts_per_step, cfg.algo.max_refill_rounds, self.s.t_start)
         self.failures = FailurePolicy(self)
@@ -196,7 +196,9 @@ class TrainingLoop:
         self.s.busy_s["sync"] += self.s.last_sync.get("perf/sync_s", 0.0)
 
     def on_weights_received(self, i: int, ref) -> None:
-        version = ray.get(ref)["version"]  # a failure is counted once, by on_failure
+        got = ray.get(ref)  # a failure is counted once, by on_failure
+        version = got["version"]
+        self.s.gen_rss_mb[i] = got.get("rss_mb", 0.0)
         self.s.sync_pending -= 1
         self.s.gen_version[i] = version
         if self.s.sync_pending == 0:  # every update sent so far is in: the learner frees its ipc snapshots
@@ -209,6 +211,7 @@ class TrainingLoop:
         for dom, dm in domain_metrics(s.window).items():
             self.tracker.track(dm, s.version, {"domain": dom})
         m.update(utilisation_metrics(now - s.t_start, s.train_busy_s, s.gen_busy_s, s.busy_s))
+        m.update({"sys/rss_mb/driver": rss_mb(), **{f"sys/rss_mb/generator{i}": v for i, v in enumerate(s.gen_rss_mb) if v}})
         m.update(s.last_sync)
         m.update(ray.get(self.actors.buffer.metrics.remote()))
         m.update(self.grader_health())

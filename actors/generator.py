@@ -22,6 +22,7 @@ from prorl_async.data.schema import rollout_batch
 from prorl_async.engines import SamplingSpec, make_engine
 from prorl_async.engines.prompts import encode_prompt
 from prorl_async.engines.vllm import inline_engine_core
+from prorl_async.metrics import rss_mb
 
 
 @ray.remote(max_concurrency=3)  # a request, a weight receive, and a group re-formation
@@ -67,7 +68,8 @@ class GeneratorActor:
 
     def receive_weights(self, sent: Optional[dict] = None) -> dict:
         """One update. ``sent``: the learner's ``broadcast_weights`` result (ipc: its handles)."""
-        return self.engine.receive_weights(sent["weights"]) if sent is not None else self.engine.receive_weights()
+        got = self.engine.receive_weights(sent["weights"]) if sent is not None else self.engine.receive_weights()
+        return {**got, "rss_mb": rss_mb()}
 
     def weights_checksum(self) -> tuple[int, float]:
         return self.engine.weights_checksum()

@@ -19,6 +19,7 @@ import time
 import ray
 
 from prorl_async.data.schema import with_columns
+from prorl_async.metrics import rss_mb
 from prorl_async.rewards.pool import GraderPool
 
 
@@ -52,7 +53,7 @@ class GraderActor:
     @ray.method(concurrency_group="health")
     def metrics_since_last(self) -> dict:
         """``grader/*`` counts since the previous call (one step), with ``_total`` totals."""
-        return self.pool.metrics_since_last()
+        return {**self.pool.metrics_since_last(), "grader/rss_mb": rss_mb()}
 
     def close(self) -> None:
         self.pool.close()

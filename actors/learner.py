@@ -13,6 +13,7 @@ from prorl_async.config import actor_runtime_env
 from prorl_async.learners.files import load_learner, write_learner
 from prorl_async.learners.core import shard_groups, sync_device
 from prorl_async.learners.torch_learner import TorchLearner
+from prorl_async.metrics import rss_mb
 from prorl_async.weight_sync import IpcWeightSender, WeightSyncGroup, device_key, free_port, tensor_checksum
 
 
@@ -81,7 +82,8 @@ class LearnerActor:
         """``batch``: ``[ObjectRef]`` of the batch table, as the driver passes it (resolved here,
         a zero-copy read of the buffer's object), or the table itself."""
         table = resolve_batch(batch)
-        return {**self.learner.train_step(table, step), "actor/optimizer_state_params": optimizer_state_size(self.learner)}
+        return {**self.learner.train_step(table, step), "actor/optimizer_state_params": optimizer_state_size(self.learner),
+                "sys/rss_mb/learner": rss_mb()}
 
     def train_shard(self, batch, step: int, world_size: int) -> dict:
         """Train on this rank's groups of the whole batch (read from the object store, zero-copy)."""

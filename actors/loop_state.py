@@ -42,6 +42,7 @@ class LoopState:
     gen_version: list = field(default_factory=list)
     gen_busy: list = field(default_factory=list)
     gen_started: list = field(default_factory=list)
+    gen_rss_mb: list = field(default_factory=list)  # each generator's resident memory at its last weight update
     training: Optional[object] = None  # the running train step's ObjectRef
     train_started: float = 0.0
     sync_pending: int = 0

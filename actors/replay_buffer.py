@@ -18,6 +18,7 @@ import ray
 
 from prorl_async.buffer import ReplayBuffer
 from prorl_async.data.schema import ROLLOUT_SCHEMA
+from prorl_async.metrics import rss_mb
 
 
 @dataclass
@@ -82,7 +83,7 @@ class ReplayBufferActor:
         return BatchRefs(parts, row)
 
     def metrics(self) -> dict:
-        return self.buffer.metrics()
+        return {**self.buffer.metrics(), "sys/rss_mb/buffer": rss_mb()}
 
     def unconsumed(self):
         return self.buffer.unconsumed()

@@ -13,6 +13,7 @@ metrics, held-out pass@1 / pass@k.
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from typing import Iterable
 
@@ -71,6 +72,16 @@ def utilisation_metrics(elapsed: float, train_busy_s: float, gen_busy_s: list, b
         "time/generate_s": sum(gen_busy_s), "time/grade_s": busy["grade"],
         "time/train_s": train_busy_s, "time/sync_s": busy["sync"], "time/eval_s": busy["eval"],
     }
+
+
+def rss_mb() -> float:
+    """This process's resident memory in MiB (``/proc/self/statm``; 0 where there is none):
+    every actor reports its own as ``sys/rss_mb/<role>``, so growth over a long run is visible."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def pass_at_k(samples: Iterable[tuple[str, str, float, bool]], k: int, prefix: str = "val") -> dict[str, float]:

@@ -65,6 +65,11 @@ def test_cli_run_both_modes(tmp_path, model_cache, staleness):
     assert ("val/pass@1", (("split", "eval"),)) in metrics
     # grader health at every step: responses graded since the last step, and the failure counters
     assert all(h["grader/timeouts"] == 0 for h in history)
+    # every actor's resident memory at every step (a generator's once it has answered a weight update)
+    roles = ["sys/rss_mb/driver", "sys/rss_mb/learner", "sys/rss_mb/buffer", "grader/rss_mb"]
+    assert all(50 < h[k] < 20_000 for h in history for k in roles)
+    gen_rss = [h["sys/rss_mb/generator0"] for h in history if "sys/rss_mb/generator0" in h]
+    assert gen_rss and all(50 < v < 20_000 for v in gen_rss)
     for name in ("grader/responses", "grader/timeouts", "grader/errors", "grader/restarts", "grader/queue_wait_s"):
         assert len(metrics[(name, ())]) == 4, name
     domains = {dict(ctx).get("domain") for name, ctx in metrics if name == "reward/accuracy"} - {None}
