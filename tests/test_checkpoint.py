@@ -339,7 +339,7 @@ def _groups(run_dir: Path) -> list[list[str]]:
     return [json.loads(line) for line in (run_dir / "trained_groups.jsonl").read_text().splitlines() if line]
 
 
-TIMING = ("perf/", "time/", "async/learner_idle_frac", "async/generator_idle_frac", "async/grader_idle_frac",
+TIMING = ("perf/", "time/", "sys/rss_mb/", "grader/rss_mb", "async/learner_idle_frac", "async/generator_idle_frac", "async/grader_idle_frac",
           "async/gen_overlap", "grader/queue_wait", "grader/grade_", "grader/responses_per_s")
 
 

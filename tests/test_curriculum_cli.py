@@ -14,6 +14,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -263,3 +264,44 @@ def test_a_held_pool_is_readmitted_once_its_pass_rate_rises(tmp_path, warm_model
     trained = read_jsonl(run_dir / "trained_groups.jsonl")
     gated = [k for k, step in enumerate(trained, 1) for key in step if key.split("/", 1)[1].startswith("gated-")]
     assert gated and min(gated) > 2, gated
+
+
+def test_a_resumed_curriculum_run_continues_exactly(tmp_path, warm_model, model_cache):
+    """Synchronous, so that a run is deterministic: 4 steps straight against 3 steps whose last one is
+    lost (its checkpoint removed, as in a crash one step after the checkpoint of step 2) and a resume
+    to 4. The same prompts per step from the same pools, the same pool averages and statuses."""
+    from prorl_async import checkpoint
+
+    mix = ('data.mix=[{source: "builtin:arithmetic?n=200&seed=1&split=train", weight: 1}, '
+           f'{{source: "{RG}", weight: 1}}]')
+    common = [mix, "data.mix_size=240", "train.prompts_per_step=4", "rollout.n=4", "rollout.prompts_per_request=4",
+              "train.max_staleness=0", "algo.dynamic_sampling=false", "train.checkpoint_interval=2",
+              "train.keep_last=3", "curriculum.window=4"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for run_dir, steps in ((straight, 4), (resumed, 3)):
+        res = cli("train", *common, *tiny(model_cache, run_dir), f"train.total_steps={steps}", cwd=tmp_path,
+                  timeout=400)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    root = resumed / "checkpoints"
+    shutil.rmtree(root / checkpoint.step_name(3))
+    checkpoint.atomic_write_text(root / "latest", checkpoint.step_name(2) + "\n")
+    for f in ("summary.json", "trained_groups.jsonl"):
+        (resumed / f).unlink()
+    shutil.rmtree(resumed / "final")
+    saved = json.loads((checkpoint.load_latest(resumed).path / "driver.json").read_text())["source"]
+    assert saved["kind"] == "curriculum" and set(saved["pools"]) == {"arithmetic", RG_POOL}
+    res = cli("train", "--resume", str(resumed), "train.total_steps=4", cwd=tmp_path, timeout=400)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "preflight:" not in res.stdout  # the pools come from the checkpoint, not a second preflight
+
+    hs, hr = read_jsonl(straight / "history.jsonl"), read_jsonl(resumed / "history.jsonl")
+    assert [h["step"] for h in hr] == [h["step"] for h in hs] == [1, 2, 3, 4]
+    for a, b in zip(hs, hr):
+        cur = sorted(k for k in a if k.startswith("curriculum/"))
+        assert cur and {k: b[k] for k in cur} == {k: a[k] for k in cur}, a["step"]
+        assert b["actor/pg_loss"] == a["actor/pg_loss"] and b["reward/mean"] == a["reward/mean"], a["step"]
+    prompts = lambda d: [[g.split("/", 1)[1] for g in step] for step in read_jsonl(d / "trained_groups.jsonl")]  # noqa: E731
+    assert prompts(resumed) == prompts(straight)
+    assert any(i.startswith("rg:") for step in prompts(straight) for i in step)  # probes of the held pool trained too
+    ends = [json.loads((d / "summary.json").read_text())["curriculum"] for d in (straight, resumed)]
+    assert ends[0] == ends[1]
