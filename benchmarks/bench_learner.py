@@ -378,8 +378,8 @@ def bench_smollm2(args) -> dict:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     dev = args.device
-    from prorl_async.learners import packing
-    packing.TORCH_VARLEN = args.gpu_attention == "varlen"
+    from prorl_async.learners import attention, packing
+    attention.TORCH_VARLEN = args.gpu_attention == "varlen"
     if args.weights == "random":
         if args.prompts == "chat-arith":
             raise SystemExit("--weights random has no tokenizer for --prompts chat-arith; use --prompts random")

@@ -65,9 +65,9 @@ from prorl_async.algo.mismatch import mismatch_metrics, mismatch_stats
 from prorl_async.algo.reference import ReferenceResetPolicy
 from prorl_async.algo.shaping import LengthPenaltySchedule, shape_rewards
 from prorl_async.algo.token_logprobs import token_logprobs as chunked_token_logprobs
-from prorl_async.learners.packing import (attn_implementation, list_column, pack_micro_batch,
-                                          pack_shared_micro_batch, packed_attention_kwargs, plan_micro_batches,
-                                          plan_shared_micro_batches, register_varlen_sdpa)
+from prorl_async.learners.attention import attn_implementation, packed_attention_kwargs, register_varlen_sdpa
+from prorl_async.learners.packing import (list_column, pack_micro_batch, pack_shared_micro_batch, plan_micro_batches,
+                                          plan_shared_micro_batches)
 from prorl_async.metrics import is_correct
 
 
@@ -264,7 +264,7 @@ def packed_token_logprobs(model, b: dict, rows, temperature: float, device, auto
     ``position_ids`` restart at 0 per sequence, no ``attention_mask`` is passed, and the
     sequence boundaries go to the attention function as flash-attention's varlen kwargs
     (``cu_seq_lens_q`` ...): flash attention (GPU) uses its varlen kernels; any other
-    implementation is swapped for :func:`~prorl_async.learners.packing.varlen_sdpa_attention`
+    implementation is swapped for :func:`~prorl_async.learners.attention.varlen_sdpa_attention`
     for the call (the sequences as one right-padded batch of causal attention: about
     ``sum L_i^2`` work, no ``N x N`` mask, the CPU choice), so attention never crosses sequences.
     The decoder body runs on the packed row; the LM head and log-softmax run on the response

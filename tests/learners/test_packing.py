@@ -253,7 +253,7 @@ def test_varlen_sdpa_equals_one_causal_attention_per_sequence(lens, dtype):
     bf16 (on CPU: the matmul + fp32 softmax path) against the float64 reference, to bf16 tolerance."""
     from types import SimpleNamespace
 
-    from prorl_async.learners.packing import _length_buckets, varlen_sdpa_attention
+    from prorl_async.learners.attention import _length_buckets, varlen_sdpa_attention
 
     torch.manual_seed(0)
     n, heads, kv, d = sum(lens), 4, 2, 8
