@@ -16,8 +16,9 @@ Three pure steps, none of which builds a Python list per token:
    ``attention_mask`` is given and keeps attention inside each sequence (a block-diagonal
    causal mask for sdpa / eager, varlen kernels for flash attention).
 
-:func:`packed_logprobs` runs an HF causal LM on a packed micro-batch and computes the
-response tokens' logprobs (and entropy) with :func:`prorl_async.algo.token_logprobs.token_logprobs`
+:func:`prorl_async.learners.logprobs.packed_logprobs` runs an HF causal LM on a packed
+micro-batch (passing the sequence boundaries to the attention of
+:mod:`prorl_async.learners.attention`) and computes the response tokens' logprobs (and entropy)
 on the response positions only, so neither padding nor prompt positions reach the LM head.
 Token tensors of a micro-batch are *response-token aligned*: entry ``k`` is response token
 ``k`` of the micro-batch, in row order; ``token_rows`` maps it to its table row, so per-row
@@ -32,8 +33,6 @@ from typing import Optional
 import numpy as np
 import pyarrow as pa
 import torch
-
-from prorl_async.learners.attention import attn_implementation, packed_attention_kwargs, register_varlen_sdpa
 
 LEARNER_LIST_COLUMNS = ("prompt_ids", "response_ids", "behavior_logprobs")
 
@@ -318,27 +317,3 @@ def pack_rollouts(table: pa.Table, micro_batch_tokens: int, share_prefixes: bool
     seq_lens = np.diff(prompt[1]) + np.diff(response[1])
     return [pack_micro_batch(prompt, response, rows, behavior)
             for rows in plan_micro_batches(seq_lens, micro_batch_tokens)]
-
-
-def packed_logprobs(model, mb: PackedMicroBatch, *, temperature: float = 1.0, chunk_tokens: int = 1024,
-                    with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Logprobs ``[M]`` (and entropy ``[M]``) of ``mb``'s response tokens under an HF causal LM.
-
-    Runs the decoder body (``model.model``) on the packed row with ``position_ids`` and no
-    attention mask (transformers then keeps attention within each sequence; a micro-batch with
-    shared prefixes goes through :func:`~prorl_async.learners.attention.varlen_sdpa_attention`
-    with its paths), picks the hidden states of the response positions and applies the LM head in chunks
-    (:func:`~prorl_async.algo.token_logprobs.token_logprobs`); float32, differentiable.
-    """
-    from prorl_async.algo.token_logprobs import token_logprobs
-
-    if mb.path_index is None:
-        hidden = model.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).last_hidden_state
-    else:  # shared prefixes: the paths go to varlen_sdpa_attention
-        with attn_implementation(model.config, register_varlen_sdpa()):
-            hidden = model.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
-                                 **packed_attention_kwargs(mb, mb.input_ids.device)).last_hidden_state
-    head = model.get_output_embeddings()
-    h = hidden[0].index_select(0, mb.loss_index)
-    return token_logprobs(h, head.weight, mb.targets, bias=head.bias, temperature=temperature,
-                          chunk_tokens=chunk_tokens, with_entropy=with_entropy)

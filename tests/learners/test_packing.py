@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from prorl_async.algo.losses import policy_loss
+from prorl_async.learners.logprobs import packed_logprobs
 from prorl_async.learners.packing import (_token_matrix, list_column, pack_micro_batch, pack_rollouts,
-                                          pack_shared_micro_batch, packed_logprobs, plan_micro_batches,
-                                          plan_shared_micro_batches, prefix_order)
+                                          pack_shared_micro_batch, plan_micro_batches, plan_shared_micro_batches,
+                                          prefix_order)
 from tests.learners._batches import graded_table
 
 
