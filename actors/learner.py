@@ -15,7 +15,8 @@ from prorl_async.learners.core import sync_device
 from prorl_async.learners.files import load_learner, write_learner
 from prorl_async.learners.torch_learner import TorchLearner
 from prorl_async.metrics import rss_mb
-from prorl_async.weight_sync import IpcWeightSender, WeightSyncGroup, device_key, free_port, tensor_checksum
+from prorl_async.weight_ipc import IpcWeightSender, device_key
+from prorl_async.weight_sync import WeightSyncGroup, free_port, tensor_checksum
 
 
 def local_ip() -> str:

@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from prorl_async.weight_sync import IpcWeightReceiver, IpcWeightSender, WeightSyncError, tensor_checksum
+from prorl_async.weight_ipc import IpcWeightReceiver, IpcWeightSender
+from prorl_async.weight_sync import WeightSyncError, tensor_checksum
 from tests.conftest import cli
 from tests.learners._batches import graded_table
 
