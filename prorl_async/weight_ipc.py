@@ -28,7 +28,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from prorl_async.weight_sync import (DEFAULT_BUCKET_BYTES, VERIFY_MODES, WeightSyncError, _as_dtype, _checksum,
-                                     _manifest, _pack, _read_plan, _unpack, plan_buckets)
+                                     _manifest, _pack, _read_plan, _unpack, checksums_match, plan_buckets)
 
 
 def device_key(device) -> str:
@@ -188,8 +188,8 @@ class IpcWeightReceiver:
                 raise WeightSyncError(f"weight bucket {k} maps {flat.numel()} x {flat.dtype}, the manifest says "
                                       f"{numel} x {sent[b[0]][2]}; update to version {version} discarded")
             got, want = _checksum(flat, bool(payload["full"])), float(payload["checksums"][k])
-            if not abs(got - want) <= 1e-6 * max(1.0, abs(want)):
-                raise WeightSyncError(f"weight bucket checksum mismatch ({got} != {want}); "
+            if not checksums_match([got], [want]):
+                raise WeightSyncError(f"weight bucket checksum mismatch ({got:.0f} != {want:.0f}); "
                                       f"update to version {version} discarded")
         out = _unpack(buckets, flats, sent)
         self.last_seconds = time.perf_counter() - t0

@@ -11,9 +11,9 @@ Protocol of one sync: rank 0 broadcasts a header ``[version, n_buckets, manifest
 full_check]`` (4 x float64), then the manifest (JSON ``{"params": [[name, shape, dtype], ...],
 "buckets": [params per bucket, ...]}`` as uint8), then each bucket — a flat buffer of
 same-dtype tensors in parameter order, one collective per bucket — and last the bucket
-checksums (float64). The bucket plan travels in the manifest, so a receiver needs no
-bucket size of its own, and a vLLM worker (whose parameters are fused and repacked) needs
-no copy of the learner's layout; it checks the manifest against the layout it expects when
+checksums (integers below 2^31, sent as float64 and compared exactly). The bucket plan travels
+in the manifest, so a receiver needs no bucket size of its own, and a vLLM worker (whose
+parameters are fused and repacked) needs no copy of the learner's layout; it checks the manifest against the layout it expects when
 it has one, and a mismatch raises :class:`WeightSyncError` after draining the remaining
 collectives (the group stays usable) with the old weights left in use.
 
@@ -195,6 +195,12 @@ def tensor_checksum(tensors) -> float:
     return sum(_checksum(t.detach().reshape(-1)) for t in tensors)
 
 
+def checksums_match(got: Sequence[float], expected: Sequence[float]) -> bool:
+    """Whether received bucket checksums equal the sender's: exactly, as they are integers below
+    2^31 that float64 holds without rounding (a tolerance would pass a flipped low bit)."""
+    return len(got) == len(expected) and all(int(g) == int(e) for g, e in zip(got, expected))
+
+
 def _pack(tensors: Sequence[torch.Tensor], dtype: torch.dtype, device) -> torch.Tensor:
     """One flat buffer of ``dtype`` on ``device`` holding ``tensors`` in order; no copy when it
     is a single contiguous tensor already of that dtype and device."""
@@ -361,11 +367,9 @@ class WeightSyncGroup:
                 got.append(_checksum(done, bool(full)))
         expected = torch.zeros(max(1, len(buckets)), dtype=torch.float64, device=self.device)
         self._bcast(expected)
-        if error is None:
-            for g, e in zip(got, expected.tolist()):
-                if not abs(g - e) <= 1e-6 * max(1.0, abs(e)):
-                    error = f"weight bucket checksum mismatch ({g} != {e})"
-                    break
+        if error is None and not checksums_match(got, expected.tolist()[:len(buckets)]):
+            g, e = next((g, e) for g, e in zip(got, expected.tolist()) if int(g) != int(e))
+            error = f"weight bucket checksum mismatch ({g:.0f} != {e:.0f})"
         if error is not None:
             raise WeightSyncError(f"{error}; update to version {version} discarded")
         out = _unpack(buckets, flats, sent)
