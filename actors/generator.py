@@ -58,7 +58,7 @@ class GeneratorActor:
 
     def device_key(self) -> str:
         """The GPU (UUID) or host this generator's engine runs on."""
-        from prorl_async.weight_sync import device_key
+        from prorl_async.weight_ipc import device_key
 
         return device_key("cuda" if self.cfg.rollout.generator_num_gpus > 0 else "cpu")
 

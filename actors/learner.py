@@ -10,11 +10,13 @@ import torch
 
 from actors.replay_buffer import BatchRefs
 from prorl_async.config import actor_runtime_env
+from prorl_async.learners.batch import shard_groups
+from prorl_async.learners.core import sync_device
 from prorl_async.learners.files import load_learner, write_learner
-from prorl_async.learners.core import shard_groups, sync_device
 from prorl_async.learners.torch_learner import TorchLearner
 from prorl_async.metrics import rss_mb
-from prorl_async.weight_sync import IpcWeightSender, WeightSyncGroup, device_key, free_port, tensor_checksum
+from prorl_async.weight_ipc import IpcWeightSender, device_key
+from prorl_async.weight_sync import WeightSyncGroup, free_port, tensor_checksum
 
 
 def local_ip() -> str:

@@ -2,7 +2,8 @@
 
 ``--mode packing`` instead compares, on one variable-length batch and a SmolLM2-135M-shaped
 Llama, the padded full-logits forward/backward with the packed (``learners/packing.py``) +
-chunked-logprobs (``algo/token_logprobs.py``) one; see :func:`bench_packing`.
+chunked-logprobs one (``learners/logprobs.packed_logprobs``, the function training runs); see
+:func:`bench_packing`.
 
 For each model size (the built-in tiny model, a mid-size and a ~50M-parameter Llama built
 locally with random weights and the project's character tokenizer) and each precision (fp32,
@@ -85,7 +86,7 @@ def matmul_peak(n: int, dtype, reps: int = 5, device: str = "cpu") -> float:
     measured at n <= 512."""
     import torch
 
-    from prorl_async.learners.core import cpu_has_bf16
+    from prorl_async.learners.logprobs import cpu_has_bf16
 
     if device == "cpu" and dtype == torch.bfloat16 and not cpu_has_bf16():
         n = min(n, 512)
@@ -269,10 +270,12 @@ def _padded_step(model, table, adv, micro_rows: int):
 
 
 def _packed_step(model, table, adv, micro_batch_tokens: int, chunk_tokens: int):
-    """The same work through Arrow offsets, packed micro-batches and chunked logprobs."""
+    """The same work through Arrow offsets, packed micro-batches and chunked logprobs: the packed
+    path ``TorchLearner.train_step`` runs (:func:`prorl_async.learners.logprobs.packed_logprobs`)."""
     import torch
 
-    from prorl_async.learners.packing import pack_rollouts, packed_logprobs
+    from prorl_async.learners.logprobs import packed_logprobs
+    from prorl_async.learners.packing import pack_rollouts
 
     mbs = pack_rollouts(table, micro_batch_tokens)
     n_tok = sum(len(mb.targets) for mb in mbs)
@@ -378,8 +381,8 @@ def bench_smollm2(args) -> dict:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     dev = args.device
-    from prorl_async.learners import packing
-    packing.TORCH_VARLEN = args.gpu_attention == "varlen"
+    from prorl_async.learners import attention, packing
+    attention.TORCH_VARLEN = args.gpu_attention == "varlen"
     if args.weights == "random":
         if args.prompts == "chat-arith":
             raise SystemExit("--weights random has no tokenizer for --prompts chat-arith; use --prompts random")
@@ -451,7 +454,7 @@ def bench_smollm2(args) -> dict:
             dt = min(times[c]) if times[c] else float("nan")  # --steps 0: a warm-up (and a profile) only
             computed = real
             if c[1] == "shared":  # the tokens the shared micro-batches hold: each shared prefix once
-                from prorl_async.learners.core import batch_to_tensors
+                from prorl_async.learners.batch import batch_to_tensors
                 b = batch_to_tensors(table_, 0, padded=False)
                 computed = sum(packing.pack_shared_micro_batch(b["_prompt"], b["_response"], m).num_tokens
                                for m in learners[c].core.micro_batches(b, slice(0, table_.num_rows)))

@@ -44,11 +44,11 @@ def test_packed_attention_on_cuda_uses_varlen_flash_and_matches_each_sequence_al
     bucketed sdpa path's do."""
     from types import SimpleNamespace
 
-    from prorl_async.learners import packing
+    from prorl_async.learners import attention
 
     calls = []
-    real = packing._flash_varlen
-    monkeypatch.setattr(packing, "_flash_varlen", lambda *a: calls.append(1) or real(*a))
+    real = attention._flash_varlen
+    monkeypatch.setattr(attention, "_flash_varlen", lambda *a: calls.append(1) or real(*a))
     lens = [37, 5, 128, 64, 1, 90]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     n, d = sum(lens), 64
@@ -58,9 +58,9 @@ def test_packed_attention_on_cuda_uses_varlen_flash_and_matches_each_sequence_al
     g_out = torch.randn(1, n, heads, d, device="cuda", generator=gen)
 
     def run(varlen: bool):
-        monkeypatch.setattr(packing, "TORCH_VARLEN", varlen)
+        monkeypatch.setattr(attention, "TORCH_VARLEN", varlen)
         q, k, v = (x.to(torch.bfloat16).requires_grad_() for x in base)
-        out, _ = packing.varlen_sdpa_attention(module, q, k, v, None, cu_seq_lens_q=cu, max_length_q=max(lens))
+        out, _ = attention.varlen_sdpa_attention(module, q, k, v, None, cu_seq_lens_q=cu, max_length_q=max(lens))
         out.float().mul(g_out).sum().backward()
         return out.float(), [x.grad.float() for x in (q, k, v)]
 

@@ -103,6 +103,19 @@ def test_sampled_checksum_catches_layout_errors_and_the_full_one_a_single_flippe
     assert _checksum(flipped, full=True) != _checksum(x, full=True)
 
 
+def test_bucket_checksums_are_compared_exactly():
+    from prorl_async.weight_sync import _checksum, checksums_match
+
+    torch.manual_seed(0)
+    x = torch.randn(1_000_003)
+    last_chunk_start = (x.numel() // (1 << 18)) * (1 << 18)
+    flipped = x.clone()
+    flipped.view(torch.int32)[last_chunk_start] ^= 1  # the checksum moves by 1 of about 2^31
+    a, b = _checksum(x), _checksum(flipped)
+    assert a != b and abs(a - b) <= 1e-6 * abs(a)  # what a relative tolerance of 1e-6 would have let through
+    assert not checksums_match([b], [a]) and checksums_match([a], [a]) and not checksums_match([a], [a, a])
+
+
 def test_all_finite_finds_every_nan_and_inf_and_passes_finite_values_whose_sum_overflows():
     from prorl_async.weight_sync import all_finite
 

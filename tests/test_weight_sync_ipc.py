@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from prorl_async.weight_sync import IpcWeightReceiver, IpcWeightSender, WeightSyncError, tensor_checksum
+from prorl_async.weight_ipc import IpcWeightReceiver, IpcWeightSender
+from prorl_async.weight_sync import WeightSyncError, tensor_checksum
 from tests.conftest import cli
 from tests.learners._batches import graded_table
 
@@ -96,13 +97,28 @@ def test_wrong_model_wrong_rank_and_a_tampered_checksum_are_refused():
         IpcWeightReceiver(1).receive(payload, expected[:-1] + [("other", (4,), torch.int64)])
     with pytest.raises(WeightSyncError, match="receiver rank 2 has no handles"):
         IpcWeightReceiver(2).receive(payload)
-    bad = {**payload, "checksums": [c + 1e5 for c in payload["checksums"]]}  # above the 1e-6 relative tolerance
+    bad = {**payload, "checksums": [c + 1 for c in payload["checksums"]]}  # the smallest possible difference
     with pytest.raises(WeightSyncError, match="checksum mismatch.*version 5 discarded"):
         IpcWeightReceiver(1).receive(bad, expected)
     with pytest.raises(WeightSyncError, match="not on this host"):
         IpcWeightReceiver(1).receive({**payload, "device": "host:elsewhere"}, expected)
     version, got = IpcWeightReceiver(1).receive(payload, expected)  # the good payload still works
     assert version == 5 and tensor_checksum([t for _, t in got]) == tensor_checksum([t for _, t in named])
+
+
+def test_one_flipped_low_bit_in_a_snapshot_is_refused():
+    """The lowest bit of the first word of a bucket moves its checksum by 1 (of about 2^31): the
+    receiver compares exactly, so the update is refused."""
+    named = _named()
+    sender = IpcWeightSender(1, verify="full")
+    payload, _ = sender.send(named, 7)
+    flat = sender._held[7][-1]
+    flat.view(-1).view(torch.uint8)[0] ^= 1  # the snapshot the receiver maps, after its checksum was taken
+    with pytest.raises(WeightSyncError, match="checksum mismatch.*version 7 discarded"):
+        IpcWeightReceiver(1).receive(payload)
+    flat.view(-1).view(torch.uint8)[0] ^= 1
+    version, got = IpcWeightReceiver(1).receive(payload)
+    assert version == 7 and tensor_checksum([t for _, t in got]) == tensor_checksum([t for _, t in named])
 
 
 def _actors(cfg, model, learner_cls=None):

@@ -17,7 +17,8 @@ from typing import Iterable, Optional
 import torch
 
 from prorl_async.engines.base import Completion, SamplingSpec
-from prorl_async.weight_sync import IpcWeightReceiver, WeightSyncGroup, tensor_checksum
+from prorl_async.weight_ipc import IpcWeightReceiver
+from prorl_async.weight_sync import WeightSyncGroup, tensor_checksum
 from prorl_async.models import load_model, load_tokenizer
 
 

@@ -23,7 +23,8 @@ from typing import Optional
 
 import torch
 
-from prorl_async.weight_sync import IpcWeightReceiver, WeightSyncError, WeightSyncGroup, all_finite, tensor_checksum
+from prorl_async.weight_ipc import IpcWeightReceiver
+from prorl_async.weight_sync import WeightSyncError, WeightSyncGroup, all_finite, tensor_checksum
 
 
 class WeightSyncWorkerExtension:

@@ -3,10 +3,10 @@
 
 Per step (DESIGN.md section 1; formulas in :mod:`prorl_async.algo`):
 
-1. rollout rows -> tensors from the learner's columns only (:data:`LEARNER_COLUMNS`), read from
-   Arrow list offsets without Python lists (:func:`batch_to_tensors`); shaped rewards (scheduled cosine length reward, overlong filter /
-   DAPO soft punishment); samples with an invalid grade or a non-finite behaviour logprob
-   leave the loss mask, counted;
+1. rollout rows -> tensors from the learner's columns only, read from Arrow list offsets
+   without Python lists (:mod:`prorl_async.learners.batch`); shaped rewards (scheduled cosine
+   length reward, overlong filter / DAPO soft punishment); samples with an invalid grade or a
+   non-finite behaviour logprob leave the loss mask, counted;
 2. REINFORCE++-baseline advantages (group-mean baseline, whitening over the *global* batch:
    the statistics go through the optimizer's all-reduce on data-parallel ranks);
 3. ``old_logprobs`` recomputed with the current weights when the batch takes several
@@ -32,7 +32,7 @@ Micro-batches (``train.micro_batch_tokens > 0``, the default): sequence packing 
 micro-batches of at most ``micro_batch_tokens`` prompt+response tokens
 (:func:`~prorl_async.learners.packing.plan_micro_batches`), each packed into one row without
 padding with position ids restarting per sequence and attention kept inside each sequence
-(:func:`packed_token_logprobs`), and the response logprobs / entropies come from the LM head in
+(:mod:`prorl_async.learners.logprobs`), and the response logprobs / entropies come from the LM head in
 chunks of ``train.logprob_chunk_tokens`` (:mod:`prorl_async.algo.token_logprobs`), never a
 ``tokens x vocab`` fp32 tensor. With ``train.share_prefixes`` a micro-batch is the prefix tree of
 its sequences (:func:`~prorl_async.learners.packing.pack_shared_micro_batch`): a group's prompt
@@ -50,25 +50,20 @@ learner owns AdamW and clipping, the DeepSpeed learner its engine, ZeRO and chec
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Optional
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 
-from prorl_async.algo.advantages import compute_advantages
-from prorl_async.algo.losses import entropy_from_logits, kl_penalty, logprobs_from_logits, policy_loss
+from prorl_async.algo.losses import kl_penalty, policy_loss
 from prorl_async.algo.mismatch import mismatch_metrics, mismatch_stats
 from prorl_async.algo.reference import ReferenceResetPolicy
-from prorl_async.algo.shaping import LengthPenaltySchedule, shape_rewards
-from prorl_async.algo.token_logprobs import token_logprobs as chunked_token_logprobs
-from prorl_async.learners.packing import (attn_implementation, list_column, pack_micro_batch,
-                                          pack_shared_micro_batch, packed_attention_kwargs, plan_micro_batches,
-                                          plan_shared_micro_batches, register_varlen_sdpa)
-from prorl_async.metrics import is_correct
+from prorl_async.algo.shaping import LengthPenaltySchedule
+from prorl_async.learners.batch import learner_columns, prepare_batch
+from prorl_async.learners.logprobs import packed_token_logprobs, padded_token_logprobs
+from prorl_async.learners.packing import plan_micro_batches, plan_shared_micro_batches
 
 
 def algo_state(a) -> tuple[LengthPenaltySchedule, ReferenceResetPolicy]:
@@ -83,110 +78,7 @@ class NonFiniteStepError(RuntimeError):
     """Too many consecutive non-finite steps."""
 
 
-# ---------------------------------------------------------------------- batch preparation
-# the only columns the learner reads; display columns (response_text, grade_reason ...) never reach it
-LEARNER_COLUMNS = ("prompt_id", "prompt_ids", "response_ids", "behavior_logprobs", "raw_reward", "reward_valid",
-                   "finish_reason", "policy_version")
-
-
-def learner_columns(table: pa.Table) -> pa.Table:
-    """The learner's columns of a rollout table (zero-copy), one clear error if one is missing."""
-    missing = [c for c in LEARNER_COLUMNS if c not in table.column_names]
-    if missing:
-        raise KeyError(f"rollout table lacks learner column(s) {missing} (has {table.column_names}); batches must "
-                       "follow prorl_async.data.schema.ROLLOUT_SCHEMA")
-    return table.select(list(LEARNER_COLUMNS))
-
-
-def _flat(values: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every element of a ``(values, offsets)`` list column as ``(flat values, row, column)``."""
-    lens = np.diff(offsets)
-    row = np.repeat(np.arange(lens.size, dtype=np.int64), lens)
-    col = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(offsets[:-1] - offsets[0], lens)
-    return values[offsets[0]:offsets[-1]], torch.from_numpy(row), torch.from_numpy(col)
-
-
-def batch_to_tensors(table: pa.Table, pad_id: int, padded: bool = True) -> dict:
-    """Rollout rows -> response-aligned ``[N, T]`` tensors, straight from Arrow list offsets
-    (:func:`prorl_async.learners.packing.list_column`; no Python list per token).
-
-    Always: ``response_ids``, ``mask``, ``behavior_logprobs``, per-row rewards / flags, and
-    ``seq_lens`` plus the ``_prompt`` / ``_response`` ``(values, offsets)`` columns that
-    sequence packing reads. ``padded``: also the right-padded ``input_ids`` /
-    ``attention_mask`` ``[N, S]`` and ``gather_idx`` of the padded forward."""
-    table = learner_columns(table)
-    prompt, response = list_column(table, "prompt_ids"), list_column(table, "response_ids")
-    bv, bo = list_column(table, "behavior_logprobs")
-    plen_np, rlen_np = np.diff(prompt[1]), np.diff(response[1])
-    if not np.array_equal(np.diff(bo), rlen_np):
-        raise ValueError("rollout table: behavior_logprobs must have one entry per response token in every row")
-    n = int(plen_np.size)
-    plen, rlen = torch.from_numpy(plen_np), torch.from_numpy(rlen_np)
-    T = max(1, int(rlen_np.max())) if n else 1
-    r_vals, r_row, r_col = _flat(*response)
-    response_ids = torch.zeros((n, T), dtype=torch.long)
-    response_ids[r_row, r_col] = torch.from_numpy(r_vals.astype(np.int64))
-    beh = torch.zeros((n, T), dtype=torch.float32)
-    beh[r_row, r_col] = torch.from_numpy(bv[bo[0]:bo[-1]].astype(np.float32))
-    mask = (torch.arange(T)[None, :] < rlen[:, None]).float()
-    prompt_id = table.column("prompt_id").to_numpy(zero_copy_only=False)  # one object per row, not per token
-    _, group_index = np.unique(prompt_id, return_inverse=True)
-    out = {
-        "response_ids": response_ids, "mask": mask, "behavior_logprobs": beh,
-        "raw_reward": torch.from_numpy(table.column("raw_reward").to_numpy().astype(np.float32)),
-        "valid": torch.from_numpy(table.column("reward_valid").to_numpy(zero_copy_only=False).astype(bool)),
-        "lengths": rlen, "truncated": torch.from_numpy(
-            pc.equal(table.column("finish_reason"), "length").to_numpy(zero_copy_only=False).astype(bool)),
-        "group_index": torch.as_tensor(group_index.reshape(-1), dtype=torch.long),
-        "policy_version": torch.from_numpy(table.column("policy_version").to_numpy().astype(np.int64)),
-        "seq_lens": plen_np + rlen_np, "_prompt": prompt, "_response": response,
-    }
-    if padded:
-        S = int((plen + rlen).max()) if n else 1
-        input_ids = torch.full((n, S), pad_id, dtype=torch.long)
-        p_vals, p_row, p_col = _flat(*prompt)
-        input_ids[p_row, p_col] = torch.from_numpy(p_vals.astype(np.int64))
-        input_ids[r_row, plen[r_row] + r_col] = response_ids[r_row, r_col]
-        out["input_ids"] = input_ids
-        out["attention_mask"] = (torch.arange(S)[None, :] < (plen + rlen)[:, None]).long()
-        # logits at sequence position P+j-1 predict response token j
-        out["gather_idx"] = (plen[:, None] + torch.arange(T)[None, :] - 1).clamp(max=max(S - 2, 0))
-    return out
-
-
-def prepare_batch(table: pa.Table, pad_id: int, cfg, step: int, schedule,
-                  stats_reduce=None) -> tuple[dict, dict]:
-    """Rollout rows -> tensors with shaped rewards, loss mask and advantages (this rank's share).
-
-    Adds ``response_mask`` (every response token of a sample with finite behaviour logprobs:
-    what the mismatch metrics measure), ``beh_bad`` (samples dropped for a non-finite behaviour
-    logprob), ``mask`` (the loss mask) and ``advantages``. ``stats_reduce`` sums the whitening
-    statistics over data-parallel ranks."""
-    a = cfg.algo
-    b = batch_to_tensors(table, pad_id, padded=cfg.train.micro_batch_tokens <= 0)
-    correct = is_correct(b["raw_reward"])
-    rewards, keep, shape_metrics = shape_rewards(
-        b["raw_reward"], correct, b["lengths"], b["truncated"],
-        max_length=cfg.rollout.max_new_tokens, step=step, schedule=schedule, cosine=a.length_penalty,
-        valid=b["valid"], overlong_mode=a.overlong, overlong_buffer=a.overlong_buffer,
-        overlong_factor=a.overlong_factor)
-    keep = keep & b["valid"]
-    # an engine that returned a non-finite behaviour logprob loses that sample, counted
-    beh = b["behavior_logprobs"]
-    beh_bad = ~torch.where(b["mask"] > 0, beh, torch.zeros_like(beh)).isfinite().all(dim=1)
-    keep = keep & ~beh_bad
-    b["behavior_logprobs"] = torch.nan_to_num(beh, nan=0.0, posinf=0.0, neginf=0.0)
-    b["beh_bad"] = beh_bad
-    b["response_mask"] = b["mask"] * (~beh_bad)[:, None].float()
-    b["mask"] = b["mask"] * keep[:, None].float()
-    # grading failures are masked out of baselines and whitening, never scored 0
-    kw = {"valid": b["valid"]}
-    if stats_reduce is not None and a.advantage == "reinforce_pp_baseline":
-        kw["stats_reduce"] = stats_reduce
-    b["advantages"] = compute_advantages(a.advantage, rewards, b["group_index"], b["mask"], **kw)
-    return b, shape_metrics
-
-
+# ---------------------------------------------------------------------- update plan
 def mini_batch_slices(n: int, mini_batches: int) -> list[slice]:
     """``mini_batches`` contiguous slices of ``n`` rows, sizes differing by at most one
     (63 rows, 4 mini-batches -> 16, 16, 16, 15); some are empty when ``n < mini_batches``."""
@@ -198,118 +90,10 @@ def mini_batch_slices(n: int, mini_batches: int) -> list[slice]:
     return [slice(int(bounds[i]), int(bounds[i + 1])) for i in range(mini_batches)]
 
 
-def shard_groups(table: pa.Table, rank: int, world_size: int) -> pa.Table:
-    """This rank's whole groups (prompt ids, sorted, dealt round-robin) of a batch.
-
-    Every rank applies the same rule to the same table, so the shards partition it."""
-    pids = np.asarray(table.column("prompt_id").to_pylist())
-    groups = sorted(set(pids.tolist()))
-    if len(groups) < world_size:
-        raise ValueError(f"a batch of {len(groups)} groups cannot feed train.num_learners={world_size} "
-                         "ranks: lower train.num_learners or raise train.prompts_per_step")
-    mine = {g for i, g in enumerate(groups) if i % world_size == rank}
-    return table.filter(pa.array([p in mine for p in pids.tolist()]))
-
-
 def sync_device(backend: str, device) -> str:
     """Where weight-sync buffers live: the learner's / engine's CUDA device for NCCL (which only
     moves CUDA tensors), CPU for gloo."""
     return str(device) if backend == "nccl" else "cpu"
-
-
-# ---------------------------------------------------------------------- forward
-def cpu_has_bf16() -> bool:
-    try:
-        flags = open("/proc/cpuinfo").read()
-        return "avx512_bf16" in flags or "amx_bf16" in flags
-    except OSError:
-        return False
-
-
-def autocast_ctx(device: torch.device, enabled: bool):
-    return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
-
-
-def token_logprobs(model, b: dict, rows: slice, temperature: float, device, autocast: bool,
-                   with_entropy: bool = False, entropy_grad: bool = True):
-    """Per-response-token logprobs (and entropies) at the sampling temperature: the padded path
-    (``train.micro_batch_tokens=0``), full logits of every padded position."""
-    device = torch.device(device)
-    ids = b["input_ids"][rows].to(device)
-    att = b["attention_mask"][rows].to(device)
-    with autocast_ctx(device, autocast):
-        logits = model(input_ids=ids, attention_mask=att).logits
-    logits = logits.float() / temperature
-    idx = b["gather_idx"][rows].to(device)
-    picked = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))  # [n, T, V]
-    logp = logprobs_from_logits(picked, b["response_ids"][rows].to(device))
-    ent = entropy_from_logits(picked if entropy_grad else picked.detach()) if with_entropy else None
-    return logp, ent
-
-
-def _hf_module(model):
-    """The HF causal LM inside a DeepSpeed engine (or the model itself)."""
-    return getattr(model, "module", model)
-
-
-def _zero3_partitioned(p: torch.Tensor) -> bool:
-    return hasattr(p, "ds_id") and getattr(p, "ds_status", None) is not None and p.numel() == 0
-
-
-def packed_token_logprobs(model, b: dict, rows, temperature: float, device, autocast: bool,
-                          with_entropy: bool = False, chunk_tokens: int = 1024, compiled: bool = False,
-                          share_prefixes: bool = False):
-    """Per-response-token logprobs (and entropies) of table rows ``rows`` (index array), packed
-    into one padding-free sequence (:func:`~prorl_async.learners.packing.pack_micro_batch`):
-    ``position_ids`` restart at 0 per sequence, no ``attention_mask`` is passed, and the
-    sequence boundaries go to the attention function as flash-attention's varlen kwargs
-    (``cu_seq_lens_q`` ...): flash attention (GPU) uses its varlen kernels; any other
-    implementation is swapped for :func:`~prorl_async.learners.packing.varlen_sdpa_attention`
-    for the call (the sequences as one right-padded batch of causal attention: about
-    ``sum L_i^2`` work, no ``N x N`` mask, the CPU choice), so attention never crosses sequences.
-    The decoder body runs on the packed row; the LM head and log-softmax run on the response
-    positions only, ``chunk_tokens`` at a time (:func:`prorl_async.algo.token_logprobs.token_logprobs`),
-    so no ``tokens x vocab`` fp32 tensor exists. ``share_prefixes``: the rows' common prefixes
-    (a group's prompt, a system prompt) are computed once
-    (:func:`~prorl_async.learners.packing.pack_shared_micro_batch`). Under ZeRO-3 (the head's weight is partitioned
-    and only a module call gathers it) the head runs as a module call on the response positions.
-
-    Returns ``[len(rows), T]`` tensors in the padded path's layout (zeros past each response)."""
-    device = torch.device(device)
-    rows = np.asarray(rows, dtype=np.int64)
-    mb = (pack_shared_micro_batch if share_prefixes else pack_micro_batch)(b["_prompt"], b["_response"], rows)
-    hf = _hf_module(model)
-    body = hf.get_decoder() if hasattr(hf, "get_decoder") else hf.model
-    head = hf.get_output_embeddings()
-    ids, pos = mb.input_ids.to(device), mb.position_ids.to(device)
-    impl = hf.config._attn_implementation or "sdpa"
-    # flash attention reads the boundaries itself (varlen kernels); anything else, and shared
-    # prefixes (paths through the prefix tree): varlen_sdpa_attention
-    varlen = impl if impl.startswith("flash_attention") and mb.path_index is None else register_varlen_sdpa()
-    with autocast_ctx(device, autocast), attn_implementation(hf.config, varlen):
-        hidden = body(input_ids=ids, position_ids=pos, use_cache=False,
-                      **packed_attention_kwargs(mb, device)).last_hidden_state
-    h = hidden[0].index_select(0, mb.loss_index.to(device))
-    targets = mb.targets.to(device)
-    if isinstance(head, torch.nn.Linear) and not _zero3_partitioned(head.weight):
-        w, bias = head.weight, head.bias
-        dtype = torch.bfloat16 if autocast else w.dtype  # what autocast would run the head in
-        logp, ent = chunked_token_logprobs(h.to(dtype), w.to(dtype), targets,
-                                           bias=None if bias is None else bias.to(dtype), temperature=temperature,
-                                           chunk_tokens=chunk_tokens, with_entropy=with_entropy, compiled=compiled)
-    else:
-        with autocast_ctx(device, autocast):
-            logits = head(h)
-        logits = logits.float() / temperature
-        logp = logprobs_from_logits(logits, targets)
-        ent = entropy_from_logits(logits) if with_entropy else None
-    rlen = torch.from_numpy(np.diff(b["_response"][1])[rows])
-    T = b["mask"].shape[1]
-    local = torch.repeat_interleave(torch.arange(rows.size), rlen).to(device)
-    col = (torch.arange(int(rlen.sum())) - torch.repeat_interleave(torch.cumsum(rlen, 0) - rlen, rlen)).to(device)
-    out_lp = logp.new_zeros((rows.size, T)).index_put((local, col), logp)
-    out_ent = ent.new_zeros((rows.size, T)).index_put((local, col), ent) if with_entropy else None
-    return out_lp, out_ent
 
 
 # ---------------------------------------------------------------------- loss, metrics
@@ -393,7 +177,7 @@ class LearnerCore:
             return packed_token_logprobs(model, b, rows, temp, o.device, o.autocast, with_entropy,
                                          chunk_tokens=t.logprob_chunk_tokens, compiled=getattr(o, "compiled", False),
                                          share_prefixes=t.share_prefixes)
-        return token_logprobs(model, b, rows, temp, o.device, o.autocast, with_entropy,
+        return padded_token_logprobs(model, b, rows, temp, o.device, o.autocast, with_entropy,
                               entropy_grad=self.cfg.algo.entropy_coef != 0)
 
     def micro_batches(self, b: dict, rows: slice) -> list:

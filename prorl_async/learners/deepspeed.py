@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 
 from prorl_async.learners import host_memory
-from prorl_async.learners.core import LearnerCore, algo_state, cpu_has_bf16
+from prorl_async.learners.core import LearnerCore, algo_state
+from prorl_async.learners.logprobs import cpu_has_bf16
 from prorl_async.models import load_model
 from prorl_async.weight_sync import free_port
 

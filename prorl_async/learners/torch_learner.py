@@ -33,7 +33,8 @@ import torch
 
 from prorl_async.learners import host_memory
 from prorl_async.learners.compile import compile_applies, compile_decoder_layers
-from prorl_async.learners.core import LearnerCore, algo_state, cpu_has_bf16
+from prorl_async.learners.core import LearnerCore, algo_state
+from prorl_async.learners.logprobs import cpu_has_bf16
 from prorl_async.learners.update_guard import UpdateGuard
 from prorl_async.models import load_model
 

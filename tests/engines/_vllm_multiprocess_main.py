@@ -16,7 +16,8 @@ def main(model_path: str, backend: str = "gloo") -> None:
     from prorl_async.engines.base import SamplingSpec
     from prorl_async.engines.hf import HFEngine
     from prorl_async.engines.vllm import VLLMEngine
-    from prorl_async.weight_sync import IpcWeightSender, free_port, tensor_checksum
+    from prorl_async.weight_ipc import IpcWeightSender
+    from prorl_async.weight_sync import free_port, tensor_checksum
     from tests.engines._inflight import inflight_update
     from tests.engines._weights import WeightPusher, perturbed
 

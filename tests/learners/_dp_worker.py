@@ -1,5 +1,5 @@
 """Two gloo ranks each compute REINFORCE++-baseline advantages on half the groups with the
-all-reduced whitening of prorl_async.learners.core.prepare_batch; rank 0 also computes
+all-reduced whitening of prorl_async.learners.batch.prepare_batch; rank 0 also computes
 the whole batch alone. Results go to <out>/rank{r}.pt and <out>/full.pt."""
 
 import os
@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 def run(rank: int, out: str, port: int) -> None:
     from prorl_async.algo.shaping import LengthPenaltySchedule
     from prorl_async.config import load_config
-    from prorl_async.learners.core import prepare_batch
+    from prorl_async.learners.batch import prepare_batch
     from tests.learners._batches import graded_table
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -37,7 +37,7 @@ def config(spec: dict):
 
 
 def run(rank: int, spec: dict, port: int) -> None:
-    from prorl_async.learners.core import shard_groups
+    from prorl_async.learners.batch import shard_groups
     from prorl_async.learners.deepspeed import DeepSpeedLearner
 
     torch.set_num_threads(1)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from prorl_async.config import load_config
-from prorl_async.learners.core import cpu_has_bf16
+from prorl_async.learners.logprobs import cpu_has_bf16
 from prorl_async.learners.files import load_learner, write_learner
 from prorl_async.learners.torch_learner import TorchLearner
 

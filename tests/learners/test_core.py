@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from prorl_async.config import load_config
-from prorl_async.learners.core import NonFiniteStepError, mini_batch_slices, shard_groups
+from prorl_async.learners.batch import shard_groups
+from prorl_async.learners.core import NonFiniteStepError, mini_batch_slices
 
 from tests.learners._batches import graded_table
 
@@ -115,7 +116,7 @@ def test_mismatch_is_zero_on_the_learners_own_logprobs_and_counts_current_tokens
     """Behaviour logprobs = the learner's own (start-of-step) logprobs on the rows generated at
     its current version, shifted by 0.5 on older rows: mismatch/ (current rows) is ~0, the
     all-token figures see the shift, and the token counts are the rows' response tokens."""
-    from prorl_async.learners.core import prepare_batch
+    from prorl_async.learners.batch import prepare_batch
 
     cfg = _cfg(tiny_model, kind)
     learner = _learner(kind, cfg, tiny_model, request)

@@ -65,7 +65,7 @@ def test_two_ranks_match_one_rank_over_three_steps(tiny_model, tmp_path, zero, d
     assert [m["actor/updates"] for m in two[0]["metrics"]] == [1.0, 1.0, 1.0]
     assert two[0]["ref_device"].startswith(device) and two[1]["ref_device"].startswith(device)
     # uneven shards: rank 0 holds 3 groups (12 rows, 3 micro-batches), rank 1 holds 2 (8 rows, 2 + 1 zero pass)
-    from prorl_async.learners.core import shard_groups
+    from prorl_async.learners.batch import shard_groups
     from tests.learners._ds_worker import batch
     assert [shard_groups(batch(1), r, 2).num_rows for r in range(2)] == [12, 8]
     for s in range(3):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from prorl_async.config import load_config
-from prorl_async.learners.core import LEARNER_COLUMNS, batch_to_tensors, learner_columns
+from prorl_async.learners.batch import LEARNER_COLUMNS, batch_to_tensors, learner_columns
 
 from tests.learners._batches import graded_table
 

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from prorl_async.algo.losses import policy_loss
+from prorl_async.learners.logprobs import packed_logprobs
 from prorl_async.learners.packing import (_token_matrix, list_column, pack_micro_batch, pack_rollouts,
-                                          pack_shared_micro_batch, packed_logprobs, plan_micro_batches,
-                                          plan_shared_micro_batches, prefix_order)
+                                          pack_shared_micro_batch, plan_micro_batches, plan_shared_micro_batches,
+                                          prefix_order)
 from tests.learners._batches import graded_table
 
 
@@ -253,7 +254,7 @@ def test_varlen_sdpa_equals_one_causal_attention_per_sequence(lens, dtype):
     bf16 (on CPU: the matmul + fp32 softmax path) against the float64 reference, to bf16 tolerance."""
     from types import SimpleNamespace
 
-    from prorl_async.learners.packing import _length_buckets, varlen_sdpa_attention
+    from prorl_async.learners.attention import _length_buckets, varlen_sdpa_attention
 
     torch.manual_seed(0)
     n, heads, kv, d = sum(lens), 4, 2, 8

@@ -171,7 +171,7 @@ def test_killing_a_worker_mid_sandbox_leaves_no_sandbox_processes():
 
 def test_close_stops_workers_and_rejects_work():
     p = GraderPool(num_workers=2, timeout_s=5.0)
-    pids = [w.pid for w in p._active + p._spares] + [p._zygote.proc.pid]
+    pids = [w.pid for w in p._active + p._spares] + [p._fork_server.proc.pid]
     assert p.grade_many(*arith_rows(10))[1].reward == 1.0
     p.close()
     for pid in pids:
