@@ -253,6 +253,9 @@ class TrainingLoop:
         s.busy_s["eval"] += time.time() - t0
         s.history[-1].update({**val, **reset, "val/time": time.time() - s.t_start})
         s.last_eval, s.eval_owed = s.version, False
+        print(f"held-out at step {s.version}: " + "  ".join(
+            f"{k.removeprefix('val/')} {v:.3f}" for k, v in val.items()
+            if k.startswith("val/pass@") and k.count("/") == 1), flush=True)  # overall; per domain in Aim
         if isinstance(self.source, Curriculum):
             print(self.source.table(f"curriculum at step {s.version}"), flush=True)
 

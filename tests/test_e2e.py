@@ -52,6 +52,9 @@ def test_cli_run_both_modes(tmp_path, model_cache, staleness):
         assert h["async/trained_staleness_max"] <= staleness
     assert summary["max_trained_staleness"] <= staleness
     assert "step    4/4" in res.stdout and "held-out metric" in res.stdout
+    # the mid-run evaluation (eval_interval=2) on the console, with the value the history holds
+    line = next(x for x in res.stdout.splitlines() if x.startswith("held-out at step 2: "))
+    assert f"pass@1 {history[1]['val/pass@1']:.3f}" in line and "pass@2 " in line
     assert (run_dir / "config.yaml").is_file() and (run_dir / "final" / "config.json").is_file()
     # the Aim run can be read back
     metrics = _aim_metrics(tmp_path / "aim", summary["aim_run_hash"])
