@@ -1,4 +1,4 @@
-"""tests/ci_required.py: a skipped vllm / deepspeed import fails under CI=true and skips otherwise."""
+"""tests/ci_required.py: a skipped vllm / deepspeed / reasoning_gym import fails under CI=true and skips otherwise."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ def _pytest(tmp_path, ci: str) -> subprocess.CompletedProcess:
 def test_missing_extra_fails_in_ci_and_skips_elsewhere(tmp_path):
     ci = _pytest(tmp_path, "true")
     assert ci.returncode != 0, ci.stdout[-2000:]
-    assert "CI=true requires vllm and deepspeed" in ci.stdout and "1 error" in ci.stdout, ci.stdout[-2000:]
+    assert "CI=true requires vllm, deepspeed, reasoning_gym: install them" in ci.stdout, ci.stdout[-2000:]
+    assert "1 error" in ci.stdout, ci.stdout[-2000:]
     local = _pytest(tmp_path, "")
     assert local.returncode in (0, 5) and "1 skipped" in local.stdout and "error" not in local.stdout, local.stdout[-2000:]
