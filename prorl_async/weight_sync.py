@@ -367,9 +367,9 @@ class WeightSyncGroup:
                 got.append(_checksum(done, bool(full)))
         expected = torch.zeros(max(1, len(buckets)), dtype=torch.float64, device=self.device)
         self._bcast(expected)
-        if error is None and not checksums_match(got, expected.tolist()[:len(buckets)]):
-            g, e = next((g, e) for g, e in zip(got, expected.tolist()) if int(g) != int(e))
-            error = f"weight bucket checksum mismatch ({g:.0f} != {e:.0f})"
+        if error is None:
+            bad = [(g, e) for g, e in zip(got, expected.tolist()) if not checksums_match([g], [e])]
+            error = f"weight bucket checksum mismatch ({bad[0][0]:.0f} != {bad[0][1]:.0f})" if bad else None
         if error is not None:
             raise WeightSyncError(f"{error}; update to version {version} discarded")
         out = _unpack(buckets, flats, sent)
