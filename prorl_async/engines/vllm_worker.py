@@ -6,8 +6,8 @@ small arguments only — tensors never travel through RPC payloads. Each worker 
 learner's :class:`~prorl_async.weight_sync.WeightSyncGroup` as its own rank
 (with tensor parallelism every TP rank receives the full checkpoint-format tensors and
 vLLM's loaders shard them), receives the buckets by broadcast (gloo on CPU, NCCL on GPU),
-and checks the sender's manifest (names, shapes, dtypes) and every bucket checksum before
-anything touches the model.
+and the receiver checks the sender's manifest (names, shapes, dtypes), every bucket checksum
+and the values' finiteness before anything touches the model.
 
 Applying uses the worker's ``reload_weights(weights_iterator=..., is_checkpoint_format=True)``
 (vLLM's in-place, layerwise reload, which re-runs the CPU backend's weight repacking); the
@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from prorl_async.weight_ipc import IpcWeightReceiver
-from prorl_async.weight_sync import WeightSyncError, WeightSyncGroup, all_finite, tensor_checksum
+from prorl_async.weight_sync import WeightSyncError, WeightSyncGroup, tensor_checksum
 
 
 class WeightSyncWorkerExtension:
@@ -57,8 +57,6 @@ class WeightSyncWorkerExtension:
             version, tensors = self._prorl_sync.receive(payload, self._prorl_expected)
         else:
             version, tensors = self._prorl_sync.receive(self._prorl_expected)  # raises before staging on mismatch
-        if not all_finite(t for _, t in tensors):
-            raise WeightSyncError(f"weights of version {version} hold non-finite values; update discarded")
         if payload is not None and not apply:
             tensors = [(n, t.clone()) for n, t in tensors]
         self._prorl_staged = (version, tensors, tensor_checksum([t for _, t in tensors]))
