@@ -199,9 +199,15 @@ def tensor_checksum(tensors) -> int:
     """Full checksum of a list of tensors in order (learner and generator compare theirs): each
     tensor's checksum is taken at its index and chained mod 2^31 - 1, so two same-shape tensors
     in each other's place give another value."""
+    return chain_checksums(_checksum(t.detach().reshape(-1), True, i) for i, t in enumerate(tensors))
+
+
+def chain_checksums(per_tensor) -> int:
+    """One checksum from per-tensor checksums taken at their indices (``_checksum(t, True, i)``),
+    in index order: what :func:`tensor_checksum` returns for those tensors."""
     total = 0
-    for i, t in enumerate(tensors):
-        total = (total * 1_000_003 + _checksum(t.detach().reshape(-1), True, i)) % _CHECKSUM_MOD
+    for c in per_tensor:
+        total = (total * 1_000_003 + c) % _CHECKSUM_MOD
     return total
 
 

@@ -14,17 +14,33 @@ Applying uses the worker's ``reload_weights(weights_iterator=..., is_checkpoint_
 raw ``model.load_weights`` would corrupt repacked CPU weights. A reload that fails half way
 leaves meta tensors behind, so validation happens first and a failed reload marks the worker
 broken: later generations are refused instead of crashing the engine.
+
+The checksum a worker reports (compared with the learner's ``tensor_checksum``) is taken from
+the model, not from the received tensors, so a reload that skips or misplaces a weight shows.
+It is exact, per checkpoint tensor, in the learner's order. Where the model keeps a weight
+readable after the reload (norms, embeddings; on GPU every unquantized weight) vLLM's fused
+parameters are read back in checkpoint layout: ``qkv_proj`` / ``gate_up_proj`` split along
+dim 0 by the layer's ``output_sizes`` into the names of the model's ``packed_modules_mapping``,
+a padded vocabulary cut to ``org_vocab_size``. The CPU backend replaces a linear layer's weight
+by a oneDNN / packed-kernel handle and leaves an empty parameter, so for every layer with a
+``quant_method`` the weight is read inside the reload, as the model's loader wrote it into the
+layer's own (fused) parameter, just before ``process_weights_after_loading`` repacks it; the
+repacked kernel copy itself is not readable. A checkpoint tensor found in neither place (the
+loader skipped it) marks the worker broken. With tensor parallelism (each rank holds shards)
+the reported checksum is the received tensors' instead.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import torch
 
 from prorl_async.weight_ipc import IpcWeightReceiver
-from prorl_async.weight_sync import WeightSyncError, WeightSyncGroup, tensor_checksum
+from prorl_async.weight_sync import WeightSyncError, WeightSyncGroup, _checksum, chain_checksums, tensor_checksum
 
 
 class WeightSyncWorkerExtension:
@@ -59,7 +75,7 @@ class WeightSyncWorkerExtension:
             version, tensors = self._prorl_sync.receive(self._prorl_expected)  # raises before staging on mismatch
         if payload is not None and not apply:
             tensors = [(n, t.clone()) for n, t in tensors]
-        self._prorl_staged = (version, tensors, tensor_checksum([t for _, t in tensors]))
+        self._prorl_staged = (version, tensors)
         del tensors
         received = time.perf_counter() - t0
         applied = self.prorl_apply_staged() if apply else None
@@ -73,15 +89,82 @@ class WeightSyncWorkerExtension:
         staged, self._prorl_staged = self._prorl_staged, None
         if staged is None:
             return None
-        version, tensors, checksum = staged
+        version, tensors = staged
+        sharded = int(getattr(self.parallel_config, "tensor_parallel_size", 1)) > 1
+        checksum = tensor_checksum([t for _, t in tensors]) if sharded else None
+        loaded: dict[str, int] = {}
         try:
-            self.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
+            with self._checksums_as_loaded(loaded), _quiet_expected_load_warnings(self.model_runner.get_model()):
+                self.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
         except Exception as e:  # the model may now hold meta tensors: never generate with it
             self._prorl_broken = f"in-place reload of weights version {version} failed: {e!r}"
             raise
+        del tensors, staged
         self._refresh_tied_modules()
+        if not sharded:
+            checksum = self._model_checksum(loaded, version)
         self._prorl_version, self._prorl_checksum = version, checksum
         return version
+
+    @contextmanager
+    def _checksums_as_loaded(self, out: dict[str, int]) -> Iterator[None]:
+        """While the reload runs, record into ``out`` (checkpoint name -> checksum at its index
+        in the manifest) each weight of a layer with a ``quant_method`` as the loader left it in
+        the layer's parameter, just before ``process_weights_after_loading`` repacks it."""
+        model = self.model_runner.get_model()
+        packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+        index = {name: i for i, (name, _, _) in enumerate(self._prorl_expected)}
+        prefixes: dict[int, str] = {}
+        methods: dict[int, object] = {}
+        for prefix, module in model.named_modules():
+            method = getattr(module, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                prefixes[id(module)] = prefix
+                methods[id(method)] = method
+
+        def wrap(method):
+            original = method.process_weights_after_loading
+
+            def process_weights_after_loading(layer):
+                prefix = prefixes.get(id(layer))
+                if prefix is not None:
+                    for name, piece in checkpoint_pieces(prefix, layer, packed):
+                        if name in index and tuple(piece.shape) == self._prorl_expected[index[name]][1]:
+                            out[name] = _checksum(piece, True, index[name])
+                return original(layer)
+            return process_weights_after_loading
+
+        for method in methods.values():
+            method.process_weights_after_loading = wrap(method)  # instance attribute over the class's
+        try:
+            yield
+        finally:
+            for method in methods.values():
+                del method.process_weights_after_loading
+
+    def _model_checksum(self, loaded: dict[str, int], version: int) -> int:
+        """The checksum of the model's weights in checkpoint layout and order: ``loaded`` (read
+        inside the reload) completed by the weights still readable in the model now."""
+        model = self.model_runner.get_model()
+        packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+        readable: dict[str, torch.Tensor] = {}
+        for prefix, module in model.named_modules():
+            for name, piece in checkpoint_pieces(prefix, module, packed):
+                readable.setdefault(name, piece)
+        per_tensor, missing = [], []
+        for i, (name, shape, _) in enumerate(self._prorl_expected):
+            if name in loaded:
+                per_tensor.append(loaded[name])
+            elif name in readable and tuple(readable[name].shape) == shape:
+                per_tensor.append(_checksum(readable[name], True, i))
+            else:
+                missing.append(name)
+        if missing:
+            self._prorl_broken = (f"after the reload of weights version {version} the model holds no weights for "
+                                  f"{len(missing)} checkpoint tensors ({', '.join(missing[:3])}, ...): vLLM's loader "
+                                  "skipped them; restart the engine")
+            raise WeightSyncError(self._prorl_broken)
+        return chain_checksums(per_tensor)
 
     def _refresh_tied_modules(self) -> None:
         """Re-derive kernel-format copies of *tied* weights (e.g. ``lm_head`` tied to
@@ -113,3 +196,60 @@ class WeightSyncWorkerExtension:
 
     def prorl_health(self) -> Optional[str]:
         return getattr(self, "_prorl_broken", None)
+
+
+def checkpoint_pieces(prefix: str, module: torch.nn.Module, packed: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """``module``'s own parameters as checkpoint tensors: a fused parameter (``qkv_proj``,
+    ``gate_up_proj``: a key of ``packed``) split along dim 0 by the layer's ``output_sizes`` into
+    the checkpoint names, a padded vocabulary cut to ``org_vocab_size``; empty parameters (a CPU
+    kernel holds the weight) yield nothing."""
+    parent, _, leaf = prefix.rpartition(".")
+    sizes = getattr(module, "output_sizes", None)
+    for pname, p in module.named_parameters(recurse=False):
+        t = p.detach()
+        if t.numel() == 0 or t.is_meta:
+            continue
+        if leaf in packed and sizes is not None and len(sizes) == len(packed[leaf]) and sum(sizes) == t.shape[0]:
+            offset = 0
+            for sub, size in zip(packed[leaf], sizes):
+                yield f"{parent + '.' if parent else ''}{sub}.{pname}", t[offset:offset + size]
+                offset += size
+        else:
+            org = getattr(module, "org_vocab_size", None)
+            yield f"{prefix + '.' if prefix else ''}{pname}", (t[:org] if org is not None else t)
+
+
+LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+@contextmanager
+def _quiet_expected_load_warnings(model: torch.nn.Module) -> Iterator[None]:
+    """Drop vLLM's ``<Layer>: Failed to load weights`` warning for the layers that never load
+    from a checkpoint: a head whose every parameter is tied to an earlier module's (SmolLM2's
+    ``lm_head``, the checkpoint has no tensor for it) and layers holding buffers only
+    (``RotaryEmbedding``'s cos/sin cache). vLLM's layerwise reload counts buffers and tied
+    parameters as loadable and warns when none arrive, then puts the layer's own tensors back
+    (for a tied head: the shared parameter, which the embedding's reload has already updated).
+    The warning for any other layer, a real failure, still comes through."""
+    seen: set[int] = set()
+    never_loads: set[str] = set()
+    loads: set[str] = set()  # a class with one instance that loads weights keeps its warning
+    for _, module in model.named_modules():
+        own = [p for p in module._parameters.values() if p is not None]
+        buffers = [b for b in module._buffers.values() if b is not None]
+        if (own and all(id(p) in seen for p in own)) or (buffers and not own):
+            never_loads.add(type(module).__name__)
+        elif own:
+            loads.add(type(module).__name__)
+        seen.update(id(p) for p in own)
+    quiet = never_loads - loads
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args and record.args[0] in quiet)
+
+    logger = logging.getLogger(LAYERWISE_LOGGER)
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
