@@ -47,7 +47,7 @@ class WeightSyncWorkerExtension:
     """Mixed into vLLM's worker class; method names are prefixed to avoid clashes."""
 
     def prorl_init_weight_sync(self, host: str, port: int, base_rank: int, world_size: int, backend: str,
-                               timeout_s: float, manifest: list, checksum: Optional[float] = None) -> int:
+                               timeout_s: float, manifest: list, checksum: Optional[int] = None) -> int:
         """Join the weight-sync group as rank ``base_rank + <this worker's TP rank>``."""
         rank = base_rank + int(getattr(self, "rank", 0))
         device = "cpu" if backend == "gloo" else str(self.device)
@@ -190,7 +190,7 @@ class WeightSyncWorkerExtension:
                 if method is not None and hasattr(method, "process_weights_after_loading"):
                     method.process_weights_after_loading(module)
 
-    def prorl_checksum(self) -> tuple[int, Optional[float]]:
+    def prorl_checksum(self) -> tuple[int, Optional[int]]:
         """(version, checksum of the applied weights in checkpoint layout)."""
         return self._prorl_version, self._prorl_checksum
 
