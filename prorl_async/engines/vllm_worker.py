@@ -17,13 +17,13 @@ broken: later generations are refused instead of crashing the engine.
 
 The checksum a worker reports (compared with the learner's ``tensor_checksum``) is taken from
 the model, not from the received tensors, so a reload that skips or misplaces a weight shows.
-It is exact, per checkpoint tensor, in the learner's order. Where the model keeps a weight
-readable after the reload (norms, embeddings; on GPU every unquantized weight) vLLM's fused
-parameters are read back in checkpoint layout: ``qkv_proj`` / ``gate_up_proj`` split along
-dim 0 by the layer's ``output_sizes`` into the names of the model's ``packed_modules_mapping``,
-a padded vocabulary cut to ``org_vocab_size``. The CPU backend replaces a linear layer's weight
-by a oneDNN / packed-kernel handle and leaves an empty parameter, so for every layer with a
-``quant_method`` the weight is read inside the reload, as the model's loader wrote it into the
+It is exact, per checkpoint tensor, in the learner's order, with vLLM's fused parameters read
+back in checkpoint layout: ``qkv_proj`` / ``gate_up_proj`` split along dim 0 by the layer's
+``output_sizes`` into the names of the model's ``packed_modules_mapping``, a padded vocabulary
+cut to ``org_vocab_size``. A weight the model keeps readable after the reload in its checkpoint
+dtype (norms, embeddings; on GPU every unquantized weight) is read there. The CPU backend
+replaces a linear layer's weight by a oneDNN / packed-kernel handle and leaves an empty
+parameter, so such a weight is read inside the reload, as the model's loader wrote it into the
 layer's own (fused) parameter, just before ``process_weights_after_loading`` repacks it; the
 repacked kernel copy itself is not readable. A checkpoint tensor found in neither place (the
 loader skipped it) marks the worker broken. With tensor parallelism (each rank holds shards)
@@ -143,8 +143,9 @@ class WeightSyncWorkerExtension:
                 del method.process_weights_after_loading
 
     def _model_checksum(self, loaded: dict[str, int], version: int) -> int:
-        """The checksum of the model's weights in checkpoint layout and order: ``loaded`` (read
-        inside the reload) completed by the weights still readable in the model now."""
+        """The checksum of the model's weights in checkpoint layout and order: each weight as the
+        model holds it now, where it is still readable in the manifest's shape and dtype, else as
+        ``loaded`` recorded it inside the reload."""
         model = self.model_runner.get_model()
         packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
         readable: dict[str, torch.Tensor] = {}
@@ -152,11 +153,12 @@ class WeightSyncWorkerExtension:
             for name, piece in checkpoint_pieces(prefix, module, packed):
                 readable.setdefault(name, piece)
         per_tensor, missing = [], []
-        for i, (name, shape, _) in enumerate(self._prorl_expected):
-            if name in loaded:
+        for i, (name, shape, dtype) in enumerate(self._prorl_expected):
+            t = readable.get(name)
+            if t is not None and tuple(t.shape) == shape and t.dtype == dtype:
+                per_tensor.append(_checksum(t, True, i))
+            elif name in loaded:  # repacked for a CPU kernel (or its dtype changed) after loading
                 per_tensor.append(loaded[name])
-            elif name in readable and tuple(readable[name].shape) == shape:
-                per_tensor.append(_checksum(readable[name], True, i))
             else:
                 missing.append(name)
         if missing:
