@@ -71,7 +71,7 @@ class GeneratorActor:
         got = self.engine.receive_weights(sent["weights"]) if sent is not None else self.engine.receive_weights()
         return {**got, "rss_mb": rss_mb()}
 
-    def weights_checksum(self) -> tuple[int, float]:
+    def weights_checksum(self) -> tuple[int, int]:
         return self.engine.weights_checksum()
 
     def abort(self) -> None:

@@ -106,7 +106,7 @@ class LearnerActor:
         """Every generator answered: free the ipc snapshots (versions freed; [] for a collective)."""
         return self._sync.release() if isinstance(self._sync, IpcWeightSender) else []
 
-    def weights_checksum(self) -> tuple[int, float]:
+    def weights_checksum(self) -> tuple[int, int]:
         return self.learner.version, tensor_checksum([t for _, t in self.learner.named_tensors()])
 
     def observe_validation(self, step: int, score: float) -> dict:

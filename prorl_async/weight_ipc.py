@@ -9,7 +9,7 @@ IPC handle for a CUDA bucket (as verl's and OpenRLHF's colocated engines do) and
 mechanism, a shared-memory file for a CPU bucket (``file_system`` sharing: any process on the
 host can open it by name). The payload is plain data (bytes, numbers, strings), so it travels
 through Ray and through vLLM's ``collective_rpc`` to the worker process unchanged; the receiver
-maps the buckets, checks manifest and checksums exactly as after a broadcast, and copies them
+maps the buckets, checks manifest, checksums and finiteness exactly as after a broadcast, and copies them
 into its engine. The sender keeps the snapshot alive until it is told every receiver answered
 (:meth:`IpcWeightSender.release`); training may go on meanwhile, as it writes the parameters,
 not the snapshot. Each receiver gets handles of its own (one sharing reference each), and a
@@ -28,7 +28,8 @@ from typing import Optional, Sequence, Union
 import torch
 
 from prorl_async.weight_sync import (DEFAULT_BUCKET_BYTES, VERIFY_MODES, WeightSyncError, _as_dtype, _checksum,
-                                     _manifest, _pack, _read_plan, _unpack, checksums_match, plan_buckets)
+                                     _manifest, _pack, _read_plan, _unpack, checksums_match, first_nonfinite,
+                                     nonfinite_error, plan_buckets)
 
 
 def device_key(device) -> str:
@@ -117,13 +118,13 @@ class IpcWeightSender:
                   for n, t in named]
         buckets = plan_buckets(shapes, bucket_bytes)
         flats, checksums = [], []
-        for b in buckets:
+        for k, b in enumerate(buckets):
             src = [named[i][1] for i in b]
             flat = _pack(src, shapes[b[0]][2], self.device)
             if len(src) == 1 and flat.untyped_storage().data_ptr() == src[0].untyped_storage().data_ptr():
                 flat = flat.clone()  # a snapshot: the optimizer may step while receivers still read
             flats.append(flat)
-            checksums.append(_checksum(flat, full))
+            checksums.append(_checksum(flat, full, k))
         if self.device != "cpu" and torch.cuda.is_available():  # pragma: no cover - needs a GPU
             torch.cuda.current_stream().synchronize()  # packed before any receiver maps it
         handles = [[share_tensor(f) for f in flats] for _ in range(self.n_receivers)]
@@ -160,9 +161,10 @@ class IpcWeightReceiver:
 
     def receive(self, payload: dict, shapes: Optional[Sequence[tuple[str, tuple, torch.dtype]]] = None
                 ) -> tuple[int, list[tuple[str, torch.Tensor]]]:
-        """Map one snapshot; returns (version, [(name, tensor)]) after the manifest and checksum
-        checks. The tensors are views of the learner's memory: copy them before answering (the
-        sender frees the snapshot once every receiver answered)."""
+        """Map one snapshot; returns (version, [(name, tensor)]) after the manifest, checksum and
+        finiteness checks (each failure raises :class:`WeightSyncError`). The tensors are views
+        of the learner's memory: copy them before answering (the sender frees the snapshot once
+        every receiver answered)."""
         t0 = time.perf_counter()
         version = int(payload["version"])
         m = json.loads(payload["manifest"])
@@ -187,10 +189,13 @@ class IpcWeightReceiver:
             if flat.numel() != numel or flat.dtype != sent[b[0]][2]:
                 raise WeightSyncError(f"weight bucket {k} maps {flat.numel()} x {flat.dtype}, the manifest says "
                                       f"{numel} x {sent[b[0]][2]}; update to version {version} discarded")
-            got, want = _checksum(flat, bool(payload["full"])), float(payload["checksums"][k])
+            got, want = _checksum(flat, bool(payload["full"]), k), float(payload["checksums"][k])
             if not checksums_match([got], [want]):
                 raise WeightSyncError(f"weight bucket checksum mismatch ({got:.0f} != {want:.0f}); "
                                       f"update to version {version} discarded")
+        name = first_nonfinite(buckets, flats, sent)
+        if name is not None:
+            raise WeightSyncError(nonfinite_error(name, version))
         out = _unpack(buckets, flats, sent)
         self.last_seconds = time.perf_counter() - t0
         self.last_bytes = sum(f.numel() * f.element_size() for f in flats)

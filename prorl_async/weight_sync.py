@@ -11,7 +11,9 @@ Protocol of one sync: rank 0 broadcasts a header ``[version, n_buckets, manifest
 full_check]`` (4 x float64), then the manifest (JSON ``{"params": [[name, shape, dtype], ...],
 "buckets": [params per bucket, ...]}`` as uint8), then each bucket — a flat buffer of
 same-dtype tensors in parameter order, one collective per bucket — and last the bucket
-checksums (integers below 2^31, sent as float64 and compared exactly). The bucket plan travels
+checksums (integers below 2^31, sent as float64 and compared exactly; each seeded with its
+bucket's index, so buckets delivered in each other's place are refused). A receiver then refuses
+an update holding a NaN or an infinity, so no engine ever loads one. The bucket plan travels
 in the manifest, so a receiver needs no bucket size of its own, and a vLLM worker (whose
 parameters are fused and repacked) needs no copy of the learner's layout; it checks the manifest against the layout it expects when
 it has one, and a mismatch raises :class:`WeightSyncError` after draining the remaining
@@ -151,7 +153,7 @@ def _weights(device: torch.device) -> torch.Tensor:
     return _WEIGHTS[key]
 
 
-def _checksum(flat: torch.Tensor, full: bool = True) -> float:
+def _checksum(flat: torch.Tensor, full: bool = True, position: int = 0) -> int:
     """Position-sensitive checksum of the raw bits, in integer arithmetic (exact, cheap).
 
     The buffer is read as 32-bit words (16-bit when its size demands it); each chunk's words
@@ -159,22 +161,25 @@ def _checksum(flat: torch.Tensor, full: bool = True) -> float:
     so the result does not depend on summation order or device), and the chunk sums are
     chained mod 2^31 - 1. ``full=False`` reads every 251st word and the last one (0.4% of the
     bytes), each weighted by its position in the buffer, plus the word count.
+    ``position`` (the buffer's index among those of one update) seeds the chain, so the same
+    bytes at another index check differently: two same-shape buckets or tensors delivered in
+    each other's place are refused even when their checksums travel swapped with them.
     """
     words = _words(flat)
     n = words.numel()
-    total = n % _CHECKSUM_MOD
+    total = (position * 1_000_003 + n) % _CHECKSUM_MOD
     if not full:
         idx = torch.arange(0, n, _STRIDE, dtype=torch.int64, device=words.device)
         if n and int(idx[-1]) != n - 1:
             idx = torch.cat([idx, idx.new_tensor([n - 1])])
         s = int((words[idx].to(torch.int64) * (idx % _CHECKSUM_MOD + 1)).sum())
-        return float((total * 1_000_003 + s % _CHECKSUM_MOD) % _CHECKSUM_MOD)
+        return (total * 1_000_003 + s % _CHECKSUM_MOD) % _CHECKSUM_MOD
     weights = _weights(words.device)
     for start in range(0, n, _CHUNK):
         w = words[start:start + _CHUNK]
         s = int((w.to(torch.int64) * weights[:w.numel()]).sum())
         total = (total * 1_000_003 + s % _CHECKSUM_MOD) % _CHECKSUM_MOD
-    return float(total)
+    return total
 
 
 def all_finite(tensors) -> bool:
@@ -190,9 +195,34 @@ def all_finite(tensors) -> bool:
     return True
 
 
-def tensor_checksum(tensors) -> float:
-    """Full checksum over a list of tensors (used by tests to compare learner and generator)."""
-    return sum(_checksum(t.detach().reshape(-1)) for t in tensors)
+def tensor_checksum(tensors) -> int:
+    """Full checksum of a list of tensors in order (learner and generator compare theirs): each
+    tensor's checksum is taken at its index and chained mod 2^31 - 1, so two same-shape tensors
+    in each other's place give another value."""
+    return chain_checksums(_checksum(t.detach().reshape(-1), True, i) for i, t in enumerate(tensors))
+
+
+def chain_checksums(per_tensor) -> int:
+    """One checksum from per-tensor checksums taken at their indices (``_checksum(t, True, i)``),
+    in index order: what :func:`tensor_checksum` returns for those tensors."""
+    total = 0
+    for c in per_tensor:
+        total = (total * 1_000_003 + c) % _CHECKSUM_MOD
+    return total
+
+
+def first_nonfinite(buckets, flats, sent) -> Optional[str]:
+    """The name of the first received tensor holding a NaN or an infinity, or None: one
+    :func:`all_finite` pass per bucket, and a tensor-by-tensor pass only in a bucket that fails."""
+    for b, flat in zip(buckets, flats):
+        if not all_finite([flat]):
+            return next(name for name, t in _unpack([b], [flat], sent) if not all_finite([t]))
+    return None
+
+
+def nonfinite_error(name: str, version: int) -> str:
+    return (f"weights of version {version} hold non-finite values (NaN or inf in {name}): the learner diverged "
+            "(lower train.lr or check the loss for NaN); update discarded, the previous weights stay in use")
 
 
 def checksums_match(got: Sequence[float], expected: Sequence[float]) -> bool:
@@ -317,9 +347,9 @@ class WeightSyncGroup:
         self._bcast(header)
         self._bcast(manifest)
         checksums, nbytes, inflight = [], 0, []
-        for b in buckets:  # pack and check the next bucket while earlier ones are on the wire
+        for k, b in enumerate(buckets):  # pack and check the next bucket while earlier ones are on the wire
             flat = _pack([named[i][1] for i in b], shapes[b[0]][2], self.device)
-            checksums.append(_checksum(flat, full))
+            checksums.append(_checksum(flat, full, k))
             nbytes += flat.numel() * flat.element_size()
             if len(inflight) >= IN_FLIGHT:
                 self._wait(inflight.pop(0))
@@ -339,7 +369,9 @@ class WeightSyncGroup:
 
         ``shapes`` is the layout this receiver expects (``[(name, shape, dtype)]``); the
         sender's manifest (names, shapes, wire dtypes) must equal it. ``None`` accepts the
-        sender's layout as sent. The tensors are views into the received buckets.
+        sender's layout as sent. The tensors are views into the received buckets. Raises
+        :class:`WeightSyncError` (nothing returned, so the caller's weights stay in use) on a
+        manifest or checksum mismatch and on a NaN or an infinity in any received value.
         """
         assert self.rank != 0, "rank 0 sends"
         t0 = time.perf_counter()
@@ -360,11 +392,11 @@ class WeightSyncGroup:
                 work, done = inflight.pop(0)
                 self._wait(work)
                 if error is None:
-                    got.append(_checksum(done, bool(full)))
+                    got.append(_checksum(done, bool(full), len(got)))
         for work, done in inflight:
             self._wait(work)
             if error is None:
-                got.append(_checksum(done, bool(full)))
+                got.append(_checksum(done, bool(full), len(got)))
         expected = torch.zeros(max(1, len(buckets)), dtype=torch.float64, device=self.device)
         self._bcast(expected)
         if error is None:
@@ -372,6 +404,9 @@ class WeightSyncGroup:
             error = f"weight bucket checksum mismatch ({bad[0][0]:.0f} != {bad[0][1]:.0f})" if bad else None
         if error is not None:
             raise WeightSyncError(f"{error}; update to version {version} discarded")
+        name = first_nonfinite(buckets, flats, sent)
+        if name is not None:
+            raise WeightSyncError(nonfinite_error(name, version))
         out = _unpack(buckets, flats, sent)
         self.last_seconds = time.perf_counter() - t0
         self.last_bytes = sum(f.numel() * f.element_size() for f in flats)

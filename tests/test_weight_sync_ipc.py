@@ -121,6 +121,53 @@ def test_one_flipped_low_bit_in_a_snapshot_is_refused():
     assert version == 7 and tensor_checksum([t for _, t in got]) == tensor_checksum([t for _, t in named])
 
 
+def test_a_low_bit_flip_in_any_word_is_refused():
+    """Full verification: the lowest bit of a word anywhere in any bucket (the sampled check reads
+    every 251st word only) moves that bucket's checksum, and the receiver compares exactly."""
+    named = _named()
+    sender = IpcWeightSender(1, verify="full")
+    payload, _ = sender.send(named, 8)
+    g = torch.Generator().manual_seed(8)
+    for flat in sender._held[8]:
+        words = flat.view(-1).view(torch.uint8)
+        for byte in (int(torch.randint(0, words.numel() // 4, (1,), generator=g)) * 4, words.numel() - 4):
+            words[byte] ^= 1  # little-endian: bit 0 of the word that starts at this byte
+            with pytest.raises(WeightSyncError, match="checksum mismatch.*version 8 discarded"):
+                IpcWeightReceiver(1).receive(payload)
+            words[byte] ^= 1
+    assert IpcWeightReceiver(1).receive(payload)[0] == 8
+
+
+def test_two_swapped_same_shape_tensors_are_refused():
+    """Two same-shape tensors, each a bucket of its own, delivered in each other's place with
+    their checksums swapped too: each bucket's checksum is seeded with its index, so the swap is
+    refused, and a learner/generator comparison of ``tensor_checksum`` sees it as well."""
+    g = torch.Generator().manual_seed(0)
+    named = [("a.weight", torch.randn(600, 500, generator=g)), ("b.weight", torch.randn(600, 500, generator=g))]
+    for verify in ("sampled", "full"):
+        sender = IpcWeightSender(1, verify=verify)  # holds the snapshot while receivers map it
+        payload, _ = sender.send(named, 9)
+        assert len(payload["checksums"]) == 2
+        swapped = {**payload, "handles": [payload["handles"][0][::-1]], "checksums": payload["checksums"][::-1]}
+        with pytest.raises(WeightSyncError, match="checksum mismatch.*version 9 discarded"):
+            IpcWeightReceiver(1).receive(swapped)
+        assert IpcWeightReceiver(1).receive(payload)[0] == 9
+    assert tensor_checksum([named[1][1], named[0][1]]) != tensor_checksum([t for _, t in named])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_weights_are_refused_by_the_receiver(bad):
+    named = _named()
+    poisoned = [(n, t.clone()) for n, t in named]
+    poisoned[2][1][1, 4] = bad  # in a packed bucket, not the first tensor of it
+    sender = IpcWeightSender(1, verify="full")
+    payload, _ = sender.send(poisoned, 4)
+    with pytest.raises(WeightSyncError, match=r"version 4 hold non-finite values \(NaN or inf in proj.weight\)"):
+        IpcWeightReceiver(1).receive(payload)
+    payload, _ = sender.send(named, 5)
+    assert IpcWeightReceiver(1).receive(payload)[0] == 5
+
+
 def _actors(cfg, model, learner_cls=None):
     import ray
 

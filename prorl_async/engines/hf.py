@@ -109,7 +109,7 @@ class HFEngine:
             self.load_weights(staged[1])
             self.version = staged[0]
 
-    def weights_checksum(self) -> tuple[int, float]:
+    def weights_checksum(self) -> tuple[int, int]:
         """(version, checksum) of the weights in use; applies staged weights first."""
         self._apply_staged()
         return self.version, tensor_checksum([t.detach() for _, t in self.named_tensors()])

@@ -333,7 +333,7 @@ class VLLMEngine:
         self.version = version
         self.prefix_cache_resets += 1
 
-    def weights_checksum(self) -> tuple[int, float]:
+    def weights_checksum(self) -> tuple[int, int]:
         """(version, checksum in checkpoint layout) of the weights in use; applies staged ones."""
         self._apply_staged()
         if not self._synced:  # still the checkpoint's weights

@@ -4,6 +4,7 @@ One in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ~3-20 s start) serv
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
@@ -14,6 +15,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 from prorl_async.engines.base import SamplingSpec  # noqa: E402
+from prorl_async.engines.vllm_worker import LAYERWISE_LOGGER  # noqa: E402
 from prorl_async.weight_sync import WeightSyncError, WeightSyncGroup, free_port, tensor_checksum  # noqa: E402
 
 PROMPTS = ["12+7=", "3*4=", "(5-2)*3=", "9+9=", "40-13=", "6*7="]
@@ -94,6 +96,40 @@ def test_abort_returns_partial_responses(engines):
     assert all(g[0].finish_reason in ("stop", "length") for g in again)
 
 
+class _LoadWarnings(logging.Handler):
+    """Collects vLLM's layerwise-reload ``Failed to load weights`` warnings while active."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        if "Failed to load weights" in record.getMessage():
+            self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        logging.getLogger(LAYERWISE_LOGGER).addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger(LAYERWISE_LOGGER).removeHandler(self)
+
+
+def _worker(v):
+    """The in-process vLLM worker (inline engine core, ``uni`` executor)."""
+    return v.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+
+
+def _sync_in_thread(port, updates):
+    def learner_side():
+        g = WeightSyncGroup("127.0.0.1", port, 0, 2, "gloo", timeout_s=60)
+        for version, named in updates:
+            g.send(named, version=version)
+    th = threading.Thread(target=learner_side)
+    th.start()
+    return th
+
+
 def test_weight_sync_into_vllm_worker_over_gloo(engines, tiny_model):
     from prorl_async.models import load_model
 
@@ -117,20 +153,28 @@ def test_weight_sync_into_vllm_worker_over_gloo(engines, tiny_model):
         poisoned = [(n, t.clone()) for n, t in named]
         poisoned[-1][1].view(-1)[3] = float("nan")  # the right model, a NaN in it: refused too
         g.send(poisoned, version=4)
+        poisoned[-1][1].view(-1)[3] = float("inf")  # ... and an infinity
+        g.send(poisoned, version=5)
 
     th = threading.Thread(target=learner_side)
     th.start()
     v.init_weight_sync("127.0.0.1", port, 1, 2, "gloo", timeout_s=60)
-    info = v.receive_weights()
+    warnings = _LoadWarnings()
+    with warnings:
+        info = v.receive_weights()
     assert info["version"] == 1 and info["applied"]
+    # the tied lm_head and the rotary cache never load from a checkpoint: no warning for them
+    # (the logprob parity below shows the tied head serves the new embedding)
+    assert warnings.messages == []
     version, checksum = v.weights_checksum()
     assert version == 1
-    assert checksum == pytest.approx(tensor_checksum([p.detach() for p in learner.parameters()]), rel=1e-9)
+    assert checksum == tensor_checksum([p.detach() for p in learner.parameters()])  # read from the model
     for _ in range(2):
         with pytest.raises(WeightSyncError):
             v.receive_weights()
-    with pytest.raises(WeightSyncError, match="version 4 hold non-finite values"):
-        v.receive_weights()
+    for version in (4, 5):
+        with pytest.raises(WeightSyncError, match=f"version {version} hold non-finite values"):
+            v.receive_weights()
     th.join(60)
     assert v.weights_checksum()[0] == 1  # refused updates left version 1 in place
 
@@ -151,3 +195,24 @@ def test_weight_sync_into_vllm_worker_over_gloo(engines, tiny_model):
         diffs.append((torch.tensor(c.logprobs) - r).abs().max())
     print(f"logprob parity after sync: max |engine - learner| = {max(diffs):.2e} over {len(diffs)} responses")
     assert max(diffs) < LOGPROB_TOL
+
+
+def test_a_reload_that_loads_nothing_fails_the_model_checksum(engines, tiny_model):
+    """The worker's checksum is read from the model, so a reload that never reaches the model
+    (here: skipped) is caught instead of reporting the received tensors' checksum. Last in the
+    module: the worker is marked broken afterwards."""
+    from prorl_async.models import load_model
+
+    v, _ = engines
+    named = [(n, p.detach() * 1.01) for n, p in load_model(tiny_model, "float32").named_parameters()]
+    port = free_port()
+    th = _sync_in_thread(port, [(7, named)])
+    v.init_weight_sync("127.0.0.1", port, 1, 2, "gloo", timeout_s=60)
+    worker = _worker(v)
+    worker.reload_weights = lambda *a, **k: None  # the update arrives, the model is never written
+    try:
+        with pytest.raises(WeightSyncError, match="model holds no weights for .* checkpoint tensors"):
+            v.receive_weights()
+    finally:
+        del worker.reload_weights
+        th.join(60)
