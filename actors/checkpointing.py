@@ -1,7 +1,8 @@
 """Checkpoint save and restore of a running loop, orchestrated across the actors.
 
-A save waits at a barrier (nothing new starts; in-flight requests land in the buffer, a
-running train step and its weight sync finish), then fills one atomic checkpoint directory
+A save comes after the loop's barrier (:meth:`actors.driver.TrainingLoop.barrier`: nothing new
+starts; in-flight requests land in the buffer, a running train step and its weight sync finish;
+:func:`barrier_wait` says how long it waits), then fills one atomic checkpoint directory
 (:mod:`prorl_async.checkpoint`): the learner writes ``policy/`` and ``learner/``
 (:mod:`prorl_async.learners.files`), the buffer hands over its unconsumed rows
 (``buffer.parquet``), and the driver adds the saved fields of its
@@ -45,15 +46,13 @@ def aim_hash(resume) -> Optional[str]:
     return json.loads((resume.path / DRIVER).read_text()).get("aim_run_hash")
 
 
-def barrier(loop) -> None:
-    """Nothing new starts; everything in flight lands. Afterwards nothing is lost or generated twice."""
-    timeout = loop.cfg.train.batch_timeout_s
-    deadline = time.time() + timeout
-    while loop.s.pending:
-        if time.time() > deadline:
-            raise RunError(f"checkpoint barrier: {len(loop.s.pending)} calls still pending after {timeout:.0f}s "
-                           f"(train.batch_timeout_s); the previous checkpoint is kept")
-        loop.handle_completions(timeout=min(loop.cfg.train.sync_timeout_s, max(deadline - time.time(), 0.1)))
+def barrier_wait(pending: int, deadline: float, train) -> float:
+    """How long the barrier waits for the next completions, ``pending`` calls still in flight; past
+    ``deadline`` (``train.batch_timeout_s`` after it began) the save stops with an error."""
+    if time.time() > deadline:
+        raise RunError(f"checkpoint barrier: {pending} calls still pending after {train.batch_timeout_s:.0f}s "
+                       f"(train.batch_timeout_s); the previous checkpoint is kept")
+    return min(train.sync_timeout_s, max(deadline - time.time(), 0.1))
 
 
 def state_dict(loop, buffer_counters: dict) -> dict:
@@ -65,14 +64,12 @@ def state_dict(loop, buffer_counters: dict) -> dict:
 
 
 def save(loop, reason: str) -> Optional[Path]:
-    """A checkpoint of the current step at a barrier (``reason``: interval, end, error ...).
-
-    Callable by failure handling for a clean stop while the learner is alive; a step already
-    checkpointed is not written again. Returns the checkpoint directory (None without a run dir).
+    """A checkpoint of the current step (``reason``: interval, end, error ...), once the loop's
+    barrier left nothing in flight; a step already checkpointed is not written again. Returns the
+    checkpoint directory (None without a run dir).
     """
     if loop.run_dir is None:
         return None
-    barrier(loop)
     s, cfg = loop.s, loop.cfg
     if s.checkpointed == s.version:
         return None

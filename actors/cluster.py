@@ -18,7 +18,9 @@ from pathlib import Path
 import ray
 
 from prorl_async.config import Config, actor_runtime_env
+from prorl_async.learners.core import NonFiniteStepError
 
+from actors.failures import Failure
 from actors.generator import GeneratorActor
 from actors.grader import GraderActor
 from actors.learner import start_learner
@@ -254,6 +256,12 @@ class Actors:
             if getattr(a, "_actor_id", None) is not None and a._actor_id.hex() == actor_id:
                 return role
         return ""
+
+    def failure(self, err: Exception) -> Failure:
+        """What the failure policy (:mod:`actors.failures`) needs to know about a failed call."""
+        nonfinite = isinstance(err, NonFiniteStepError) or isinstance(getattr(err, "cause", None), NonFiniteStepError)
+        return Failure(died=actor_died(err), role=self.role(dead_actor_id(err)), cause=cause(err),
+                       error_type=type(err).__name__, nonfinite=nonfinite)
 
     def all(self) -> list:
         return [*self.generators, self.grader, self.buffer, self.learner]

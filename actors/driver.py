@@ -7,6 +7,7 @@ the groups consumed, live and requested fit into ``(v + max_staleness + 1) * pro
 the buffer re-checks the bound when it hands a batch out. ``max_staleness=0`` is the synchronous,
 strictly on-policy baseline through the same code. All loop state is one :class:`LoopState`, also what
 a checkpoint saves (:mod:`actors.checkpointing`); run-directory files: :mod:`prorl_async.outputs`.
+What a failed call leads to is decided by :mod:`actors.failures`; this loop applies the decision.
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ from prorl_async.staleness import plan_requests
 from prorl_async.tracking import Tracker, progress_line
 
 from actors import checkpointing
-from actors.cluster import Actors, RunError, cause, dead_actor_id, init_ray
+from actors.cluster import Actors, RunError, cause, init_ray
 from actors.evaluation import StaleWeights, evaluate, held_out, preflight
-from actors.failures import FailurePolicy
-from actors.loop_state import LoopState, zero_sums
+from actors.failures import (CALLED, EVALUATED, GRADER_METRICS, Count, EvaluateAgain, FailurePolicy, Reissue, Resync,
+                             RunFacts, Stop)
+from actors.loop_state import (BUFFERED, GENERATED, RECEIVED, SENT, TRAINED, LoopState, Pending, Request,
+                               zero_sums)
 
 log = logging.getLogger("prorl_async")
 
@@ -47,20 +50,21 @@ class TrainingLoop:
                            gen_rss_mb=[0.0] * g, before=dict(before or {}))
         self.s.t_start = self.s.t_last_step = self.s.last_progress = time.time()
         self.refill = RefillWatch(cfg.train.prompts_per_step, cfg.algo.max_refill_rounds, self.s.t_start)
-        self.failures = FailurePolicy(self)
+        self.failures = FailurePolicy(cfg.rollout.max_generator_failures, run_dir)
 
     # ------------------------------------------------------------ the loop
     def run(self) -> list[dict]:
         try:
             return self._run()
         except ray.exceptions.RayError as err:  # a direct call failed (an actor died, the node ran out of memory ...)
-            raise self.failures.lost(err) from None
+            self.on_failure(CALLED, None, err)  # stops the run
+            raise
 
     def _run(self) -> list[dict]:
         s, total = self.s, self.cfg.train.total_steps
         while s.version < total or s.training is not None:
             if self.checkpoint_due():
-                checkpointing.save(self, "interval")
+                self.checkpoint("interval")
                 continue
             if s.resync_needed:  # a generator or a weight sync failed: one full sync before anything else
                 if s.training is None and s.sync_pending == 0:
@@ -100,23 +104,22 @@ class TrainingLoop:
 
     def _request(self, i: int, rows: list[dict], seed: int) -> None:
         """One generation request on generator ``i``, graded and put in the buffer by reference."""
-        s, a = self.s, self.actors
+        s, a, r = self.s, self.actors, Request(i, rows, seed)
         gen_ref = a.generators[i].generate.remote(rows, self.cfg.rollout.n, seed)
         graded = a.grader.grade.remote(rows, gen_ref)
         put_ref = a.buffer.put.remote(graded, [graded])  # the batch (resolved by Ray), and its reference
         s.gen_busy[i], s.gen_started[i] = True, time.time()
-        s.pending[gen_ref] = (self.on_generated, (i,))
-        s.pending[put_ref] = (self.on_buffered, (len(rows),))
-        s.in_flight[put_ref] = (i, rows, seed)
+        s.pending[gen_ref] = Pending(GENERATED, r)
+        s.pending[put_ref] = Pending(BUFFERED, r)  # re-issued as is if an actor's death fails it
 
-    def on_generated(self, i: int, _ref) -> None:
-        s, now = self.s, time.time()
+    def on_generated(self, r: Request, _ref) -> None:
+        s, now, i = self.s, time.time(), r.generator
         s.gen_busy[i] = False
         s.gen_busy_s[i] += now - s.gen_started[i]
         s.gen_spans.append((s.gen_started[i], now))
 
-    def on_buffered(self, k: int, ref) -> None:
-        info, s, w = ray.get(ref), self.s, self.s.window
+    def on_buffered(self, r: Request, ref) -> None:
+        info, s, w, k = ray.get(ref), self.s, self.s.window, len(r.rows)
         s.grader_down = False
         s.live -= k - info["kept"]  # requested prompts that are not a kept group now (dropped, or merged:
         s.buffered += info["kept"]   # a request across an epoch boundary can hold a prompt twice, one group)
@@ -154,9 +157,9 @@ class TrainingLoop:
         # requests were put in; the learner maps them (neither this process nor a LearnerGroup does)
         s.training = self.actors.learner.train_step.remote(info["table"], s.version)
         s.train_started = time.time()
-        s.pending[s.training] = (self.on_trained, ())
+        s.pending[s.training] = Pending(TRAINED)
 
-    def on_trained(self, ref) -> None:
+    def on_trained(self, _, ref) -> None:
         metrics, s, now = ray.get(ref), self.s, time.time()
         s.training = None
         s.train_busy_s += now - s.train_started
@@ -178,7 +181,7 @@ class TrainingLoop:
             health = ray.get(self.actors.grader.metrics_since_last.remote())
         except ray.exceptions.RayActorError as err:  # ActorDiedError, ActorUnavailableError (restarting)
             log.warning("the grader died (%s); Ray restarts it, this step has no grader/* counts", cause(err))
-            self.failures.count("grader", err)
+            self.on_failure(GRADER_METRICS, None, err)
             return {}
         return {k: v for k, v in health.items() if k.startswith("grader/") and not k.endswith("_total")}
 
@@ -186,17 +189,17 @@ class TrainingLoop:
         """Weights out to every generator (each applies them at its next request boundary)."""
         s = self.s
         sent = self.actors.learner.broadcast_weights.remote()
-        s.pending[sent] = (self.on_weights_sent, ())
+        s.pending[sent] = Pending(SENT)
         for i, gen in enumerate(self.actors.generators):
             s.sync_pending += 1
-            s.pending[gen.receive_weights.remote(*self.actors.receive_args(sent))] = (self.on_weights_received, (i,))
+            s.pending[gen.receive_weights.remote(*self.actors.receive_args(sent))] = Pending(RECEIVED, i)
 
-    def on_weights_sent(self, ref) -> None:
+    def on_weights_sent(self, _, ref) -> None:
         self.s.last_sync = {k: v for k, v in ray.get(ref).items() if k != "weights"}  # ipc: the handles
         self.s.busy_s["sync"] += self.s.last_sync.get("perf/sync_s", 0.0)
 
     def on_weights_received(self, i: int, ref) -> None:
-        got = ray.get(ref)  # a failure is counted once, by on_failure
+        got = ray.get(ref)  # a failure is counted once, by the failure policy
         version = got["version"]
         self.s.gen_rss_mb[i] = got.get("rss_mb", 0.0)
         self.s.sync_pending -= 1
@@ -236,17 +239,10 @@ class TrainingLoop:
         try:
             val = evaluate(self.cfg, self.actors, self.eval_rows, s.version, self.tracker)
         except StaleWeights as err:  # a generator restarted since its last sync: re-sync, evaluate again
-            log.warning("%s; re-syncing before the evaluation", err)
-            s.resync_needed = s.eval_owed = True
+            self.apply(self.failures.on_stale_weights(str(err)))
             return
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
-            role = self.actors.role(dead_actor_id(err))
-            if not role.startswith("generator") and role != "grader":
-                raise self.failures.lost(err) from None
-            # a generator (or the grader) died mid-evaluation: restart, re-sync, evaluate again
-            self.failures.count(role, err)
-            s.resync_needed = s.resync_needed or role.startswith("generator")
-            s.eval_owed = True  # at the version current after the re-sync
+            self.on_failure(EVALUATED, None, err)  # a generator (or the grader) died: re-sync, evaluate again
             return
         reset = ray.get(self.actors.learner.observe_validation.remote(s.version, val["val/pass@1"]))  # stalled?
         self.tracker.track(reset, s.version)  # ref/reset_val_stall: ProRL resets the reference on a stall
@@ -264,7 +260,20 @@ class TrainingLoop:
         return (self.run_dir is not None and every > 0 and 0 < v < self.cfg.train.total_steps
                 and v % every == 0 and self.s.checkpointed != v)
 
-    # ------------------------------------------------------------ completions (failures: actors.failures)
+    def checkpoint(self, reason: str) -> None:
+        """A checkpoint of the current step (``reason``: interval, end, error ...), after the barrier;
+        none without a run dir. Also for a clean stop while the learner is alive."""
+        if self.run_dir is not None:
+            self.barrier()
+            checkpointing.save(self, reason)
+
+    def barrier(self) -> None:
+        """Nothing new starts; everything in flight lands. Afterwards nothing is lost or generated twice."""
+        deadline = time.time() + self.cfg.train.batch_timeout_s
+        while self.s.pending:
+            self.handle_completions(timeout=checkpointing.barrier_wait(len(self.s.pending), deadline, self.cfg.train))
+
+    # ------------------------------------------------------------ completions and failures
     def handle_completions(self, timeout: float) -> None:
         """Everything ready now; finished generations first, so a request's generation span
         ends before the train step its groups complete can start."""
@@ -272,18 +281,48 @@ class TrainingLoop:
         ready, rest = ray.wait(pending, num_returns=1, timeout=timeout)
         if ready and rest:
             ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
-        ready.sort(key=lambda r: self.s.pending[r][0] != self.on_generated)
+        ready.sort(key=lambda r: self.s.pending[r].kind != GENERATED)
         for ref in ready:
             if ref not in self.s.pending:
                 continue
-            handler, args = self.s.pending.pop(ref)
+            work = self.s.pending.pop(ref)
+            handler = {GENERATED: self.on_generated, BUFFERED: self.on_buffered, TRAINED: self.on_trained,
+                       SENT: self.on_weights_sent, RECEIVED: self.on_weights_received}[work.kind]
             try:
-                handler(*args, ref)
+                handler(work.payload, ref)
             except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as err:
-                self.failures.on_failure(handler, ref, err)
-            else:
-                self.s.in_flight.pop(ref, None)
+                self.on_failure(work.kind, work.payload, err)
             self.s.last_progress = time.time()
+
+    def on_failure(self, kind: str, payload, err: Exception) -> None:
+        """A call failed: the failure policy decides from what happened and the counters, the loop acts."""
+        s = self.s
+        facts = RunFacts(s.version, s.checkpointed, s.gen_failures, s.grader_failures, s.grader_down, s.stopping)
+        self.apply(self.failures.on_failure(kind, payload, self.actors.failure(err), facts))
+
+    def apply(self, actions) -> None:
+        """The failure policy's actions, in order (a Stop raises the RunError that ends the run)."""
+        s = self.s
+        for a in actions:
+            if isinstance(a, Reissue):
+                s.gen_busy[a.request.generator] = False
+                s.retry.append((a.request.rows, a.request.seed))  # still counted live: re-issued once, with the current weights
+                s.reissued.extend(str(r["id"]) for r in a.request.rows)
+                log.warning("%s", a.warning)
+            elif isinstance(a, Count):
+                s.gen_failures, s.grader_failures, s.grader_down = a.gen_failures, a.grader_failures, a.grader_down
+            elif isinstance(a, Resync):
+                if a.warning:
+                    log.warning("%s", a.warning)
+                s.sync_pending -= a.received
+                s.resync_needed = True
+            elif isinstance(a, EvaluateAgain):
+                s.eval_owed = True  # at the version current after the re-sync
+            elif isinstance(a, Stop):
+                s.learner_dead, s.buffer_dead = s.learner_dead or a.learner_dead, s.buffer_dead or a.buffer_dead
+                raise RunError(a.message) from None
+            else:
+                raise TypeError(f"not a failure action: {a!r}")
 
     def resync_weights(self) -> None:
         """Full sync after a failure: every generator alive, a new group, the current weights to all."""
@@ -349,11 +388,11 @@ def run(cfg: Config, resume=None) -> dict:
             loop.s.stopping = True
             if not (loop.s.learner_dead or loop.s.buffer_dead):
                 try:
-                    checkpointing.save(loop, "error")
+                    loop.checkpoint("error")
                 except Exception as e:  # the stop reason matters more than this checkpoint
                     log.warning("no checkpoint at the stop: %s", cause(e))
             raise
-        checkpointing.save(loop, "end")
+        loop.checkpoint("end")
         steps = loop.s.version
         after = held_out(cfg, actors, eval_rows, steps, tracker)
         ray.get(actors.learner.save_model.remote(str((run_dir / "final").resolve())))

@@ -3,100 +3,173 @@
 A dead generator or grader is restarted by Ray (up to ``rollout.max_generator_failures`` deaths)
 and its requests are re-issued once, generators re-synced first; a failed weight sync re-forms
 the group; a dead buffer or learner stops the run with one error naming the checkpoint to
-``--resume`` from. The loop (:class:`actors.driver.TrainingLoop`) owns the state; this object
-reads and updates it.
+``--resume`` from.
+
+The policy decides, the loop acts: :meth:`FailurePolicy.on_failure` takes what happened (the kind
+of call, its payload, the :class:`Failure`, the loop's counters as :class:`RunFacts`) and returns
+the actions, in order, that :class:`actors.driver.TrainingLoop` applies. It holds no loop, reads no
+actor and changes nothing; no Ray here (the loop turns an exception into a :class:`Failure`:
+:meth:`actors.cluster.Actors.failure`).
 """
 
 from __future__ import annotations
 
-import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
 
-from prorl_async.learners.core import NonFiniteStepError
+from actors.loop_state import BUFFERED, RECEIVED, SENT, TRAINED, Request
 
-from actors.cluster import RunError, actor_died, cause, dead_actor_id
+# calls the loop waits on itself (not pending work): the held-out evaluation, the grader's
+# per-step counts, and any other direct call (buffer.take, a checkpoint's calls ...)
+EVALUATED, GRADER_METRICS, CALLED = "evaluated", "grader_metrics", "called"
 
-log = logging.getLogger("prorl_async")
+
+@dataclass(frozen=True)
+class Failure:
+    """A failed call, as the policy needs to know it."""
+    died: bool              # an actor's death failed it (the call, or one whose result it took)
+    role: str               # the dead actor: generator-i, grader, buffer, learner; "" if none or unknown
+    cause: str              # "Type: last line of the message" of the exception behind it
+    error_type: str = ""    # the class name of the error the call raised (ActorDiedError, RayTaskError ...)
+    nonfinite: bool = False  # the learner refused a non-finite step (learners.core.NonFiniteStepError)
 
 
+@dataclass(frozen=True)
+class RunFacts:
+    """The loop's counters the decision depends on, as values."""
+    version: int             # learner steps done
+    checkpointed: int = -1   # the version of the newest checkpoint (-1: none yet)
+    gen_failures: int = 0
+    grader_failures: int = 0
+    grader_down: bool = False  # a grader death is counted already (cleared by the next graded request)
+    stopping: bool = False     # the stop checkpoint is being written: deaths are counted, the run not stopped again
+
+
+# ------------------------------------------------------------------------ actions
+@dataclass(frozen=True)
+class Reissue:
+    """The request goes back in the queue (still counted live), to be issued once more with the current weights."""
+    request: Request
+    warning: str
+
+
+@dataclass(frozen=True)
+class Count:
+    """The failure counters' new values."""
+    gen_failures: int
+    grader_failures: int
+    grader_down: bool
+
+
+@dataclass(frozen=True)
+class Resync:
+    """One full weight sync (a new group, every generator alive) before anything else."""
+    warning: str = ""
+    received: bool = False  # a generator's receive is the call that failed: one sync fewer pending
+
+
+@dataclass(frozen=True)
+class EvaluateAgain:
+    """The held-out evaluation is done again (at the version current after a re-sync)."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The run stops with this message; a dead learner's or buffer's state is gone (no stop checkpoint)."""
+    message: str
+    learner_dead: bool = False
+    buffer_dead: bool = False
+
+
+Action = Union[Reissue, Count, Resync, EvaluateAgain, Stop]
+
+
+@dataclass(frozen=True)
 class FailurePolicy:
-    def __init__(self, loop):
-        self.loop = loop
+    max_generator_failures: int     # rollout.max_generator_failures
+    run_dir: Optional[Path] = None  # named in the hint to --resume a run stopped on a non-finite step
 
-    def on_failure(self, handler, ref, err: Exception) -> None:
-        """A call failed. A dead generator or grader is restarted by Ray and its requests are
-        re-issued (generators re-synced first); a dead buffer or learner stops the run."""
-        s, request = self.loop.s, self.loop.s.in_flight.pop(ref, None)
-        if actor_died(err) and self.loop.actors.role(dead_actor_id(err)) in ("buffer", "learner"):
-            raise self.lost(err)  # whichever call noticed it first
-        if handler == self.loop.on_buffered and request is not None and actor_died(err):
-            i, rows, seed = request
-            role = self.loop.actors.role(dead_actor_id(err)) or f"generator-{i}"
-            s.gen_busy[i] = False
-            s.retry.append((rows, seed))  # still counted live: re-issued once, with the current weights
-            s.reissued.extend(str(r["id"]) for r in rows)
-            log.warning("%s died (%s); %d prompts re-issued", role, type(err).__name__, len(rows))
-            s.resync_needed = s.resync_needed or role.startswith("generator")
-            self.count(role, err)
-        elif handler in (self.loop.on_weights_sent, self.loop.on_weights_received):
-            if handler == self.loop.on_weights_received:
-                s.sync_pending -= 1
-            log.warning("weight sync failed (%s); re-forming the group", cause(err))
-            s.resync_needed = True
-        elif handler == self.loop.on_trained:
-            s.learner_dead = actor_died(err)  # an actor death, not an exception inside a live learner
-            raise RunError(f"the learner failed at step {s.version + 1}: {cause(err)}"
-                           + (self.resume_hint() if s.learner_dead else self.good_weights_hint(err)))
-        elif actor_died(err):
-            raise self.lost(err)
-        else:
-            raise RunError(f"{getattr(handler, '__name__', handler)} failed: {cause(err)}")
+    def on_failure(self, kind: str, payload, error: Failure, facts: RunFacts) -> tuple[Action, ...]:
+        """A call of ``kind`` (``actors.loop_state`` kinds, or EVALUATED / GRADER_METRICS / CALLED)
+        failed. A dead generator or grader is restarted by Ray and its requests are re-issued
+        (generators re-synced first); a dead buffer or learner stops the run."""
+        if kind == GRADER_METRICS:  # the step goes on without the grader's counts
+            return self.count("grader", error, facts)
+        if kind == CALLED:
+            return self.lost(error, facts)
+        if kind == EVALUATED:  # a generator (or the grader) died mid-evaluation: restart, re-sync, evaluate again
+            if not error.role.startswith("generator") and error.role != "grader":
+                return self.lost(error, facts)
+            resync = (Resync(),) if error.role.startswith("generator") else ()
+            return (*self.count(error.role, error, facts), *resync, EvaluateAgain())
+        if error.died and error.role in ("buffer", "learner"):
+            return self.lost(error, facts)  # whichever call noticed it first
+        if kind == BUFFERED and error.died:
+            request: Request = payload
+            role = error.role or f"generator-{request.generator}"
+            warning = f"{role} died ({error.error_type}); {len(request.rows)} prompts re-issued"
+            resync = (Resync(),) if role.startswith("generator") else ()
+            return (Reissue(request, warning), *resync, *self.count(role, error, facts))
+        if kind in (SENT, RECEIVED):
+            return (Resync(f"weight sync failed ({error.cause}); re-forming the group", received=kind == RECEIVED),)
+        if kind == TRAINED:  # an actor death here is not the learner's (that one is lost above)
+            hint = self.resume_hint(facts) if error.died else self.good_weights_hint(error, facts)
+            return (Stop(f"the learner failed at step {facts.version + 1}: {error.cause}" + hint,
+                         learner_dead=error.died),)
+        if error.died:
+            return self.lost(error, facts)
+        return (Stop(f"on_{kind} failed: {error.cause}"),)
 
-    def count(self, role: str, err: Exception) -> None:
+    def on_stale_weights(self, why: str) -> tuple[Action, ...]:
+        """The evaluation found a generator restarted since its last sync: re-sync, evaluate again."""
+        return (Resync(f"{why}; re-syncing before the evaluation"), EvaluateAgain())
+
+    def count(self, role: str, error: Failure, facts: RunFacts) -> tuple[Action, ...]:
         """One more generator / grader death; past ``rollout.max_generator_failures`` the run stops
         (not while the stop checkpoint is being written: its barrier only records them)."""
-        s, limit = self.loop.s, self.loop.cfg.rollout.max_generator_failures
+        limit = self.max_generator_failures
         if role == "grader":
-            if s.grader_down:  # the other requests that one death failed
-                return
-            s.grader_down = True
-            s.grader_failures += 1
-            n, what = s.grader_failures, "the grader"
+            if facts.grader_down:  # the other requests that one death failed
+                return ()
+            n, what = facts.grader_failures + 1, "the grader"
+            counted = Count(facts.gen_failures, n, grader_down=True)
         else:
-            s.gen_failures += 1
-            n, what = s.gen_failures, "generators"
-        if n > limit and not s.stopping:
-            raise RunError(f"{what} died {n} times (rollout.max_generator_failures={limit}); last: {cause(err)}")
+            n, what = facts.gen_failures + 1, "generators"
+            counted = Count(n, facts.grader_failures, facts.grader_down)
+        if n > limit and not facts.stopping:
+            return (counted, Stop(f"{what} died {n} times (rollout.max_generator_failures={limit}); last: {error.cause}"))
+        return (counted,)
 
-    def resume_hint(self) -> str:
-        s = self.loop.s
-        if s.checkpointed >= 0:
-            return f"; no checkpoint is written now, continue from the last one (step {s.checkpointed}) with --resume"
-        return "; no checkpoint was written yet: start the run again"
-
-    def good_weights_hint(self, err: Exception) -> str:
-        """A learner that stopped on the non-finite rule applied none of the updates it refused
-        (:mod:`prorl_async.learners.update_guard`): the checkpoint the stop writes holds good weights."""
-        nonfinite = isinstance(err, NonFiniteStepError) or isinstance(getattr(err, "cause", None), NonFiniteStepError)
-        if not nonfinite or self.loop.run_dir is None:
-            return ""
-        return (f"; the checkpoint written at this stop (step {self.loop.s.version}) holds the last good weights: "
-                f"fix the cause (train.lr ...), then continue with --resume {self.loop.run_dir}")
-
-    def lost(self, err: Exception) -> RunError:
-        """The error that stops a run whose buffer or learner actor died (their state is gone)."""
-        role = self.loop.actors.role(dead_actor_id(err))
+    def lost(self, error: Failure, facts: RunFacts) -> tuple[Action, ...]:
+        """A direct call failed (an actor died, the node ran out of memory ...): the run stops; a dead
+        buffer's or learner's state is gone."""
+        role = error.role
         if role == "buffer":
-            self.loop.s.buffer_dead = True
-            return RunError(f"the replay buffer actor died ({cause(err)}); its unconsumed groups are lost"
-                            + self.resume_hint())
+            return (Stop(f"the replay buffer actor died ({error.cause}); its unconsumed groups are lost"
+                         + self.resume_hint(facts), buffer_dead=True),)
         if role == "learner":
-            self.loop.s.learner_dead = True
-            return RunError(f"the learner died at step {self.loop.s.version + 1} ({cause(err)})" + self.resume_hint())
+            return (Stop(f"the learner died at step {facts.version + 1} ({error.cause})" + self.resume_hint(facts),
+                         learner_dead=True),)
         if role.startswith("generator"):  # a direct call found it dead for good: Ray's restarts are spent,
             # so this generator alone died max_generator_failures + 1 times (a death while it was idle
             # failed no request and was not counted when Ray restarted it)
-            limit = self.loop.cfg.rollout.max_generator_failures
-            self.loop.s.gen_failures = max(self.loop.s.gen_failures + 1, limit + 1)
-            return RunError(f"generators died {self.loop.s.gen_failures} times (rollout.max_generator_failures="
-                            f"{limit}); last: {cause(err)}")
-        return RunError(f"{role or 'an actor'} failed: {cause(err)}")
+            limit = self.max_generator_failures
+            n = max(facts.gen_failures + 1, limit + 1)
+            return (Count(n, facts.grader_failures, facts.grader_down),
+                    Stop(f"generators died {n} times (rollout.max_generator_failures={limit}); last: {error.cause}"))
+        return (Stop(f"{role or 'an actor'} failed: {error.cause}"),)
+
+    @staticmethod
+    def resume_hint(facts: RunFacts) -> str:
+        if facts.checkpointed >= 0:
+            return f"; no checkpoint is written now, continue from the last one (step {facts.checkpointed}) with --resume"
+        return "; no checkpoint was written yet: start the run again"
+
+    def good_weights_hint(self, error: Failure, facts: RunFacts) -> str:
+        """A learner that stopped on the non-finite rule applied none of the updates it refused
+        (:mod:`prorl_async.learners.update_guard`): the checkpoint the stop writes holds good weights."""
+        if not error.nonfinite or self.run_dir is None:
+            return ""
+        return (f"; the checkpoint written at this stop (step {facts.version}) holds the last good weights: "
+                f"fix the cause (train.lr ...), then continue with --resume {self.run_dir}")

@@ -12,6 +12,27 @@ def zero_sums() -> defaultdict:
     return defaultdict(float)
 
 
+# the kinds of pending work: a generation, its graded groups put in the buffer, a train step, the
+# learner's weight broadcast, one generator's receive of it
+GENERATED, BUFFERED, TRAINED, SENT, RECEIVED = "generated", "buffered", "trained", "sent", "received"
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request: on generator ``generator``, these prompts, this seed (re-issued as is)."""
+    generator: int
+    rows: list
+    seed: int
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A call in flight: what it is and what its completion needs -- the :class:`Request` (generated,
+    buffered), the generator's index (received), or nothing (trained, sent)."""
+    kind: str
+    payload: Optional[object] = None
+
+
 @dataclass
 class LoopState:
     """Everything the loop knows. The fields above the line are the driver's part of a checkpoint
@@ -56,8 +77,7 @@ class LoopState:
     reissued: list = field(default_factory=list)   # prompt ids of requests re-issued after a failure
     gen_spans: list = field(default_factory=list)  # (start, end) of requests finished since the last step
     checkpointed: int = -1       # the version of the newest checkpoint
-    pending: dict = field(default_factory=dict)    # ObjectRef -> (handler, args)
-    in_flight: dict = field(default_factory=dict)  # put ObjectRef -> (generator, rows, seed), to re-issue
+    pending: dict = field(default_factory=dict)    # ObjectRef -> Pending
 
     SAVED: ClassVar[tuple] = ("version", "consumed", "live", "buffered", "requests", "window", "busy_s", "train_busy_s",
                               "gen_busy_s", "resyncs", "gen_failures", "grader_failures", "invalid_by_reason", "retry", "trained_groups",

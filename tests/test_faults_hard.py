@@ -158,12 +158,11 @@ def test_generator_killed_during_evaluation(ray_cluster, tmp_path, model_cache, 
 def test_generator_killed_during_checkpoint_barrier(ray_cluster, tmp_path, model_cache, monkeypatch):
     import ray
 
-    import actors.checkpointing as checkpointing
-    from actors.driver import run
+    from actors.driver import TrainingLoop, run
 
     cfg = _cfg(tmp_path, model_cache, "train.total_steps=6", "train.max_staleness=1", "train.checkpoint_interval=3",
                *FAST, *TWO_GENERATORS)
-    killed, original = [], checkpointing.barrier
+    killed, original = [], TrainingLoop.barrier
 
     def kill_then_barrier(loop):
         if not killed and loop.s.version == 3:
@@ -172,7 +171,7 @@ def test_generator_killed_during_checkpoint_barrier(ray_cluster, tmp_path, model
             killed.append(busy[0])
         original(loop)
 
-    monkeypatch.setattr(checkpointing, "barrier", kill_then_barrier)
+    monkeypatch.setattr(TrainingLoop, "barrier", kill_then_barrier)
     summary = run(cfg)
     assert len(killed) == 1 and summary["steps"] == 6 and summary["weight_resyncs"] >= 1
     # the checkpoint taken across the kill holds everything: trained, buffered, or to re-issue

@@ -1,0 +1,172 @@
+"""The failure policy (actors/failures.py) as a pure function: what happened in, actions out.
+
+No Ray: the failures are written as the facts the loop extracts from an exception
+(:meth:`actors.cluster.Actors.failure`); each message worked out by hand from the numbers given.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from actors.failures import (CALLED, EVALUATED, GRADER_METRICS, Count, EvaluateAgain, Failure, FailurePolicy, Reissue,
+                             Resync, RunFacts, Stop)
+from actors.loop_state import BUFFERED, GENERATED, RECEIVED, SENT, TRAINED, Request
+
+POLICY = FailurePolicy(max_generator_failures=2, run_dir=Path("/runs/r1"))
+FACTS = RunFacts(version=6, checkpointed=4, gen_failures=1, grader_failures=0)
+REQUEST = Request(generator=1, rows=[{"id": 7}, {"id": 8}, {"id": 9}], seed=42)
+CAUSE = "ActorDiedError: The actor died unexpectedly"
+
+
+def died(role: str, error_type="RayTaskError") -> Failure:
+    return Failure(died=True, role=role, cause=CAUSE, error_type=error_type)
+
+
+def raised(cause="ValueError: bad row") -> Failure:  # an exception inside a live actor
+    return Failure(died=False, role="", cause=cause, error_type="RayTaskError")
+
+
+def test_the_policy_module_imports_no_ray():
+    code = "import sys, actors.failures; assert 'ray' not in sys.modules and 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+
+
+# ------------------------------------------------------------------------ buffered: re-issue
+def test_a_dead_generators_request_is_reissued_resynced_and_counted():
+    actions = POLICY.on_failure(BUFFERED, REQUEST, died("generator-1", "ActorDiedError"), FACTS)
+    assert actions == (Reissue(REQUEST, "generator-1 died (ActorDiedError); 3 prompts re-issued"),
+                       Resync(), Count(gen_failures=2, grader_failures=0, grader_down=False))
+
+
+def test_an_unknown_dead_actor_is_the_requests_generator():
+    actions = POLICY.on_failure(BUFFERED, REQUEST, died(""), FACTS)
+    assert actions[0].warning == "generator-1 died (RayTaskError); 3 prompts re-issued"
+    assert actions[1:] == (Resync(), Count(2, 0, False))
+
+
+def test_a_dead_graders_request_is_reissued_without_a_resync_and_counted_once():
+    actions = POLICY.on_failure(BUFFERED, REQUEST, died("grader"), FACTS)
+    assert actions == (Reissue(REQUEST, "grader died (RayTaskError); 3 prompts re-issued"),
+                       Count(gen_failures=1, grader_failures=1, grader_down=True))
+    # the other requests the same death failed: re-issued, not counted again
+    down = RunFacts(version=6, grader_failures=1, grader_down=True)
+    assert POLICY.on_failure(BUFFERED, REQUEST, died("grader"), down) == (
+        Reissue(REQUEST, "grader died (RayTaskError); 3 prompts re-issued"),)
+
+
+def test_the_death_past_the_limit_reissues_then_stops():
+    # limit 2, two deaths so far: the third is past it
+    facts = RunFacts(version=6, gen_failures=2)
+    actions = POLICY.on_failure(BUFFERED, REQUEST, died("generator-1"), facts)
+    assert actions[:3] == (Reissue(REQUEST, "generator-1 died (RayTaskError); 3 prompts re-issued"), Resync(),
+                           Count(3, 0, False))
+    assert actions[3] == Stop(f"generators died 3 times (rollout.max_generator_failures=2); last: {CAUSE}")
+    # at the limit (the second death) the run goes on
+    assert not any(isinstance(a, Stop) for a in POLICY.on_failure(BUFFERED, REQUEST, died("generator-1"), FACTS))
+
+
+def test_the_grader_past_the_limit_stops():
+    actions = POLICY.on_failure(BUFFERED, REQUEST, died("grader"), RunFacts(version=6, grader_failures=2))
+    assert actions[-1] == Stop(f"the grader died 3 times (rollout.max_generator_failures=2); last: {CAUSE}")
+
+
+def test_while_the_stop_checkpoint_is_written_deaths_are_counted_not_stopped_on():
+    facts = RunFacts(version=6, gen_failures=5, stopping=True)
+    actions = POLICY.on_failure(BUFFERED, REQUEST, died("generator-0"), facts)
+    assert actions[-1] == Count(6, 0, False) and not any(isinstance(a, Stop) for a in actions)
+
+
+def test_a_request_failed_by_an_exception_stops_with_the_handlers_name():
+    assert POLICY.on_failure(BUFFERED, REQUEST, raised(), FACTS) == (Stop("on_buffered failed: ValueError: bad row"),)
+    assert POLICY.on_failure(GENERATED, REQUEST, raised(), FACTS) == (Stop("on_generated failed: ValueError: bad row"),)
+
+
+# ------------------------------------------------------------------------ buffer / learner: stop
+@pytest.mark.parametrize("kind", [GENERATED, BUFFERED, TRAINED, SENT, RECEIVED])
+def test_a_dead_buffer_stops_whatever_noticed_it(kind):
+    assert POLICY.on_failure(kind, None, died("buffer"), FACTS) == (Stop(
+        f"the replay buffer actor died ({CAUSE}); its unconsumed groups are lost; no checkpoint is written now, "
+        "continue from the last one (step 4) with --resume", buffer_dead=True),)
+
+
+@pytest.mark.parametrize("kind", [GENERATED, BUFFERED, TRAINED, SENT, RECEIVED, CALLED])
+def test_a_dead_learner_stops_at_the_next_step(kind):
+    no_checkpoint = RunFacts(version=6)
+    assert POLICY.on_failure(kind, None, died("learner"), no_checkpoint) == (Stop(
+        f"the learner died at step 7 ({CAUSE}); no checkpoint was written yet: start the run again",
+        learner_dead=True),)
+
+
+# ------------------------------------------------------------------------ trained
+def test_a_train_step_that_raised_stops_and_the_stop_checkpoint_is_written():
+    assert POLICY.on_failure(TRAINED, None, raised("RuntimeError: CUDA error"), FACTS) == (
+        Stop("the learner failed at step 7: RuntimeError: CUDA error"),)
+
+
+def test_a_non_finite_step_names_the_checkpoint_with_good_weights():
+    nonfinite = Failure(died=False, role="", cause="NonFiniteStepError: loss is nan", nonfinite=True)
+    assert POLICY.on_failure(TRAINED, None, nonfinite, FACTS) == (Stop(
+        "the learner failed at step 7: NonFiniteStepError: loss is nan; the checkpoint written at this stop "
+        "(step 6) holds the last good weights: fix the cause (train.lr ...), then continue with --resume /runs/r1"),)
+    assert FailurePolicy(2).on_failure(TRAINED, None, nonfinite, FACTS) == (
+        Stop("the learner failed at step 7: NonFiniteStepError: loss is nan"),)  # no run dir: no checkpoint to name
+
+
+def test_a_train_step_failed_by_another_death_stops_without_a_checkpoint():
+    assert POLICY.on_failure(TRAINED, None, died(""), FACTS) == (Stop(
+        f"the learner failed at step 7: {CAUSE}; no checkpoint is written now, continue from the last one "
+        "(step 4) with --resume", learner_dead=True),)
+
+
+# ------------------------------------------------------------------------ sent / received: re-sync
+def test_a_failed_broadcast_reforms_the_group():
+    assert POLICY.on_failure(SENT, None, raised("TimeoutError: no peer"), FACTS) == (
+        Resync("weight sync failed (TimeoutError: no peer); re-forming the group"),)
+
+
+def test_a_failed_receive_reforms_the_group_with_one_sync_fewer_pending():
+    for failure in (raised("TimeoutError: no peer"), died("generator-0")):
+        cause = failure.cause
+        assert POLICY.on_failure(RECEIVED, 0, failure, FACTS) == (
+            Resync(f"weight sync failed ({cause}); re-forming the group", received=True),)
+
+
+# ------------------------------------------------------------------------ evaluation, grader counts, direct calls
+def test_a_generator_dead_mid_evaluation_is_counted_resynced_and_evaluated_again():
+    assert POLICY.on_failure(EVALUATED, None, died("generator-0"), FACTS) == (
+        Count(2, 0, False), Resync(), EvaluateAgain())
+    assert POLICY.on_failure(EVALUATED, None, died("grader"), FACTS) == (Count(1, 1, True), EvaluateAgain())
+    past = POLICY.on_failure(EVALUATED, None, died("generator-0"), RunFacts(version=6, gen_failures=2))
+    assert past == (Count(3, 0, False),
+                    Stop(f"generators died 3 times (rollout.max_generator_failures=2); last: {CAUSE}"),
+                    Resync(), EvaluateAgain())  # the loop stops at the Stop
+
+
+def test_an_evaluation_failed_by_anything_else_stops():
+    assert POLICY.on_failure(EVALUATED, None, raised(), FACTS) == (Stop("an actor failed: ValueError: bad row"),)
+
+
+def test_stale_weights_at_an_evaluation_resync_first():
+    assert POLICY.on_stale_weights("generator-1 holds weights of version 3, not 6") == (
+        Resync("generator-1 holds weights of version 3, not 6; re-syncing before the evaluation"), EvaluateAgain())
+
+
+def test_the_grader_dead_at_its_metrics_call_is_counted_once():
+    assert POLICY.on_failure(GRADER_METRICS, None, died(""), FACTS) == (Count(1, 1, True),)
+    assert POLICY.on_failure(GRADER_METRICS, None, died(""), RunFacts(version=6, grader_down=True)) == ()
+
+
+def test_a_generator_found_dead_for_good_by_a_direct_call_stops_past_the_limit():
+    # one death counted, limit 2: Ray's restarts are spent, so this generator died 3 times
+    assert POLICY.on_failure(CALLED, None, died("generator-0"), FACTS) == (
+        Count(3, 0, False), Stop(f"generators died 3 times (rollout.max_generator_failures=2); last: {CAUSE}"))
+    # more deaths already counted than that: one more
+    assert POLICY.on_failure(CALLED, None, died("generator-0"), RunFacts(version=6, gen_failures=4))[0] == Count(5, 0, False)
+
+
+def test_any_other_direct_call_failure_stops_naming_the_actor():
+    assert POLICY.on_failure(CALLED, None, died("grader"), FACTS) == (Stop(f"grader failed: {CAUSE}"),)
+    assert POLICY.on_failure(CALLED, None, raised("OutOfMemoryError: node"), FACTS) == (
+        Stop("an actor failed: OutOfMemoryError: node"),)
