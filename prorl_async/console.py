@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import threading
 import time
 import warnings
 from collections import deque
@@ -55,14 +54,12 @@ class HeldWarnings(logging.Handler):
     def __init__(self, role: str, maxlen: int = 200):
         super().__init__(logging.WARNING)
         self.role, self.lines = role, deque(maxlen=maxlen)
-        self._lock_lines = threading.Lock()
 
-    def emit(self, record: logging.LogRecord) -> None:
-        with self._lock_lines:
-            self.lines.append(f"{record.levelname.lower()}: [{self.role}] {record.getMessage()}")
+    def emit(self, record: logging.LogRecord) -> None:  # called under the handler's lock
+        self.lines.append(f"{record.levelname.lower()}: [{self.role}] {record.getMessage()}")
 
     def drain(self) -> list[str]:
-        with self._lock_lines:
+        with self.lock:
             out = list(self.lines)
             self.lines.clear()
         return out

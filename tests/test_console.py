@@ -4,6 +4,8 @@ the engines' and Ray's output in the run's log folder, and on the console with `
 from __future__ import annotations
 
 import io
+import json
+import os
 import re
 
 from prorl_async.console import bar
@@ -98,6 +100,37 @@ def test_cli_verbose_streams_the_actors_output_to_the_console(tmp_path, model_ca
     console = res.stdout + res.stderr
     assert res.returncode == 0, console[-4000:]
     assert re.search(r"\((GeneratorActor|LearnerActor|GraderActor) pid=\d+\)", console), console[-4000:]
+
+
+def test_setup_hook_sends_a_process_fd_1_and_2_to_its_role_file(tmp_path):
+    """The hook in a fresh process (no Ray): Python, a child process's (C-level) output and an
+    engine's log record land in ``<role>.log``, nothing on the process's own stdout or stderr;
+    the project's warning is also held for the driver."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    code = """if True:
+        import json, logging, os, sys
+        from prorl_async import console
+        console.actor_output_to_file()
+        print("python stdout"); print("python stderr", file=sys.stderr)
+        os.system("echo a child process on fd 1; echo on fd 2 >&2")
+        logging.getLogger("vllm").warning("an engine's warning")
+        logging.getLogger("prorl_async.rewards").warning("the project's own warning")
+        open(sys.argv[1], "w").write(json.dumps(console.HELD.drain()))
+    """
+    held = tmp_path / "held.json"
+    res = subprocess.run([sys.executable, "-c", code, str(held)], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "PRORL_ASYNC_LOG_DIR": str(tmp_path / "logs"),
+                              "PRORL_ASYNC_ROLE": "generator-0"})
+    assert res.returncode == 0 and res.stdout == "" and res.stderr == "", res
+    text = (tmp_path / "logs" / "generator-0.log").read_text()
+    for line in ("python stdout", "python stderr", "a child process on fd 1", "on fd 2", "an engine's warning",
+                 "the project's own warning"):
+        assert line in text, (line, text)
+    assert json.loads(held.read_text()) == ["warning: [generator-0] the project's own warning"]
 
 
 def test_a_warning_raised_in_an_actor_reaches_the_driver_and_its_output_the_file(ray_cluster, tmp_path):
