@@ -3,10 +3,14 @@
     prorl-async train                                   # the embedded default (tiny CPU run)
     prorl-async train --config configs/x.yaml algo.clip_eps_high=0.28 rollout.n=8
     prorl-async train --resume runs/x train.total_steps=400   # continue from its newest checkpoint
+    prorl-async train --verbose                         # engines', DeepSpeed's and Ray's lines on the console too
     prorl-async eval --model runs/x --data builtin:humaneval --samples 4 --out r.json   # pass@1 / pass@k, no training
     prorl-async config [--config X] [overrides]         # print the resolved config / field docs
     prorl-async compare runs/a runs/b --out cmp.png     # runs side by side (run dirs or Aim hashes)
     prorl-async bench --quick [--only weight_sync,buffer] [--out DIR]   # the benchmarks' ratio table
+
+The console holds the project's lines only; what the engines, DeepSpeed, torch and Ray print goes to
+``<run_dir>/logs/`` (:mod:`prorl_async.console`) unless ``--verbose``.
 
 Errors a user can fix (a bad config value, a missing file, a malformed dataset) are printed
 as one ``error:`` line and exit with status 2, never as a traceback from inside Ray.
@@ -15,9 +19,11 @@ as one ``error:`` line and exit with status 2, never as a traceback from inside 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from prorl_async.config import ConfigError, config_to_dict, describe, load_config
+from prorl_async.console import VERBOSE_ENV
 
 
 def _resume(args):
@@ -98,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", help="YAML config file (see configs/)")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest checkpoint (overrides: "
                    "only fields that do not change the math or data, e.g. train.total_steps)")
+    t.add_argument("--verbose", action="store_true", help="also show what the engines, DeepSpeed, torch and Ray "
+                   "print (default: only the project's lines; the rest is in <run_dir>/logs/)")
     t.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. rollout.n=8")
     t.set_defaults(fn=_train)
     e = sub.add_parser("eval", help="pass@1 / pass@k of a model on a dataset, per domain (no training)")
@@ -140,6 +148,8 @@ USER_ERRORS = (ConfigError, FileNotFoundError, ValueError)
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "verbose", False):  # read by the driver and, inherited, by the actors
+        os.environ[VERBOSE_ENV] = "1"
     try:
         return args.fn(args)
     except USER_ERRORS as e:

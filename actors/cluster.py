@@ -17,6 +17,7 @@ from pathlib import Path
 
 import ray
 
+from prorl_async import console
 from prorl_async.config import Config, actor_runtime_env
 from prorl_async.learners.core import NonFiniteStepError
 
@@ -82,8 +83,11 @@ def local_cluster_auth() -> None:
     _RayConfig.initialize("")
 
 
-def init_ray(cfg: Config) -> bool:
+def init_ray(cfg: Config, log_dir: Path | None = None) -> bool:
     """Join the configured / job cluster, or start a local one. Returns True if started here.
+
+    ``log_dir``: actors' output goes to files there, not to this console (:mod:`prorl_async.console`),
+    unless ``$PRORL_ASYNC_VERBOSE`` is set; without it, Ray streams it here as it always did.
 
     Ray 2.60 turns token authentication on for new local clusters and would write a token to
     ``~/.ray/auth_token``. A local cluster started here keeps auth on but passes a fresh
@@ -93,13 +97,17 @@ def init_ray(cfg: Config) -> bool:
     """
     if ray.is_initialized():
         return False
+    quiet = log_dir is not None and not console.verbose()
+    output = ({"log_to_driver": False, "runtime_env": {
+        "worker_process_setup_hook": f"{console.__name__}.{console.actor_output_to_file.__name__}",
+        "env_vars": {console.LOG_DIR_ENV: str(Path(log_dir).resolve())}}} if quiet else {"log_to_driver": True})
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
     if address:
-        ray.init(address=address, logging_level=logging.WARNING)
+        ray.init(address=address, logging_level=logging.WARNING, **output)
         return False
     local_cluster_auth()
     ray.init(num_cpus=cfg.ray.num_cpus or None, include_dashboard=False, logging_level=logging.WARNING,
-             configure_logging=True, log_to_driver=True)
+             configure_logging=True, **output)
     return True
 
 
@@ -116,7 +124,8 @@ def generator_placement(cfg: Config, index: int, timeout_s: float = PLACEMENT_TI
     here with the numbers instead of leaving the actor pending.
     """
     r = cfg.rollout
-    opts = {"num_cpus": r.generator_num_cpus, "num_gpus": r.generator_num_gpus, **actor_runtime_env(cfg)}
+    opts = console.with_role({"num_cpus": r.generator_num_cpus, "num_gpus": r.generator_num_gpus,
+                              **actor_runtime_env(cfg)}, f"generator-{index}")
     if r.generator_num_gpus <= 1:
         return opts, None
     from ray.util.placement_group import placement_group, remove_placement_group
@@ -156,9 +165,10 @@ class Actors:
                 .remote(cfg, model_path, i) for i, (opts, _) in enumerate(placed)]
         # the grader is stateless: restarted by Ray, the driver re-issues the requests it dropped.
         # The buffer holds the unconsumed groups: never restarted empty; its death stops the run
-        grader = GraderActor.options(num_cpus=0, max_restarts=GRADER_MAX_RESTARTS, max_task_retries=0,
+        grader = GraderActor.options(**console.with_role({"num_cpus": 0}, "grader"),
+                                     max_restarts=GRADER_MAX_RESTARTS, max_task_retries=0,
                                      **({"name": f"{name}/grader"} if name else {})).remote(cfg)
-        buffer = ReplayBufferActor.options(num_cpus=0, max_restarts=0,
+        buffer = ReplayBufferActor.options(**console.with_role({"num_cpus": 0}, "buffer"), max_restarts=0,
                                            **({"name": f"{name}/buffer"} if name else {})
                                            ).remote(t.max_staleness, cfg.algo.dynamic_sampling)
         actors = cls(gens, grader, buffer, learner, [pg for _, pg in placed if pg is not None])

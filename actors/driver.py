@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 import time
 from typing import Optional
 
 import ray
 
 from prorl_async.config import Config, config_to_dict, save_config
+from prorl_async.console import ActorWarnings, quiet_driver
 from prorl_async.curriculum import Curriculum, NoSignal
 from prorl_async.data.datasets import load_source, load_train_rows
 from prorl_async.data.source import PromptSource
@@ -51,6 +53,7 @@ class TrainingLoop:
         self.s.t_start = self.s.t_last_step = self.s.last_progress = time.time()
         self.refill = RefillWatch(cfg.train.prompts_per_step, cfg.algo.max_refill_rounds, self.s.t_start)
         self.failures = FailurePolicy(cfg.rollout.max_generator_failures, run_dir)
+        self.actor_warnings = ActorWarnings()  # the project's warnings raised inside actors
 
     # ------------------------------------------------------------ the loop
     def run(self) -> list[dict]:
@@ -226,6 +229,8 @@ class TrainingLoop:
         self.tracker.track(m, s.version)
         s.history.append({"step": s.version, "time": now - s.t_start, **m})
         print(progress_line(s.version, self.cfg.train.total_steps, m, s.t_start), flush=True)
+        for line in self.actor_warnings.poll(self.actors.all()):
+            print(line, file=sys.stderr, flush=True)
         s.last_progress = now
 
     # ------------------------------------------------------------ evaluate, checkpoint
@@ -360,13 +365,21 @@ def run(cfg: Config, resume=None) -> dict:
     run_dir = prepare_run_dir(cfg)
     save_config(cfg, run_dir / "config.yaml")
     print(f"run directory: {run_dir}", flush=True)
+    restore = quiet_driver(run_dir / "logs")  # other packages' warnings and log records to the log file
+    try:
+        return _run(cfg, resume, run_dir, t0)
+    finally:
+        restore()
+
+
+def _run(cfg: Config, resume, run_dir, t0: float) -> dict:
     model_path = resolve_model_path(cfg.model, seed=cfg.train.seed)
     for module in cfg.reward.extra_modules:  # custom verifiers register their domains on import
         importlib.import_module(module)
     eval_rows = load_source(cfg.data.eval, cfg.data)
     source = prompt_source(cfg)
-    started = init_ray(cfg)
-    tracker = actors = None
+    started = init_ray(cfg, log_dir=run_dir / "logs")  # actors' output: logs/<role>.log
+    tracker = actors = loop = None
     try:
         tracker = Tracker(cfg.tracking.aim_repo, cfg.tracking.experiment, cfg.tracking.run_name or run_dir.name,
                           config_to_dict(cfg), enabled=cfg.tracking.enabled, run_hash=checkpointing.aim_hash(resume))
@@ -412,6 +425,9 @@ def run(cfg: Config, resume=None) -> dict:
         print(f"done: {steps} steps in {summary['wall_time_s']:.0f}s; run dir {run_dir}", flush=True)
         return summary
     finally:
+        if loop is not None:  # warnings raised since the last step
+            for line in loop.actor_warnings.poll(actors.all(), wait_s=5.0):
+                print(line, file=sys.stderr, flush=True)
         if tracker is not None:
             tracker.close()
         if actors is not None:

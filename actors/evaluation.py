@@ -13,7 +13,8 @@ import ray
 from prorl_async.algo.sampling import DEFAULT_TOL, uninformative_reason
 from prorl_async.config import Config
 from prorl_async.metrics import pass_at_k
-from prorl_async.tracking import Tracker, bar
+from prorl_async.console import bar
+from prorl_async.tracking import Tracker
 
 from actors.cluster import Actors
 

@@ -10,6 +10,7 @@ import torch
 
 from actors.replay_buffer import BatchRefs
 from prorl_async.config import actor_runtime_env
+from prorl_async.console import with_role
 from prorl_async.learners.batch import shard_groups
 from prorl_async.learners.core import sync_device
 from prorl_async.learners.files import load_learner, write_learner
@@ -144,7 +145,8 @@ class LearnerGroup:
         n = t.num_learners
         opts = dict(num_cpus=t.learner_num_cpus, num_gpus=t.learner_num_gpus, max_restarts=0)
         master = (local_ip(), free_port(local_ip()))  # the learners' own world, not the weight-sync group
-        self.members = [LearnerActor.options(**opts).remote(cfg, model_path, r, n, master) for r in range(n)]
+        self.members = [LearnerActor.options(**with_role(opts, f"learner-{r}")).remote(cfg, model_path, r, n, master)
+                        for r in range(n)]
         ray.get([m.ready.remote() for m in self.members])
         self.n = n
 
@@ -215,5 +217,6 @@ def start_learner(cfg, model_path: str, name: str = ""):
     env = actor_runtime_env(cfg)  # OMP_WAIT_POLICY; a LearnerGroup's ranks inherit it
     if t.num_learners == 1:
         return LearnerActor.options(num_cpus=t.learner_num_cpus, num_gpus=t.learner_num_gpus,
-                                    max_restarts=0, **named, **env).remote(cfg, model_path)
-    return LearnerGroup.options(num_cpus=0, max_restarts=0, **named, **env).remote(cfg, model_path)
+                                    max_restarts=0, **named, **with_role(env, "learner")).remote(cfg, model_path)
+    return LearnerGroup.options(num_cpus=0, max_restarts=0, **named,
+                                **with_role(env, "learner-group")).remote(cfg, model_path)

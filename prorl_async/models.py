@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from prorl_async.tracking import bar
+from prorl_async.console import bar
 
 BUILTIN_PREFIX = "builtin:"
 CHARS = list("0123456789+-*=() ")

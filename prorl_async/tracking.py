@@ -1,4 +1,4 @@
-"""Metrics: Aim (one run per training run) and a compact console line per step.
+"""Metrics: Aim (one run per training run) and a compact console line per step (bars: :mod:`prorl_async.console`).
 
 Metric names are namespaced as in DESIGN.md section 4 (``reward/*``, ``actor/*``, ``kl/*``,
 ``is/*``, ``len/*``, ``sampling/*``, ``async/*``, ``perf/*``, ``ref/*``, ``val/*``); a name
@@ -102,11 +102,3 @@ def progress_line(step: int, total: int, m: dict, t_start: float) -> str:
             f"gen {g('perf/gen_tok_s', '{:.0f}')} tok/s  train {g('perf/train_tok_s', '{:.0f}')} tok/s  "
             f"[{duration(now - t_start)} elapsed, ~{duration(left)} left]")
 
-
-def bar(label: str, done: int, total: int, width: int = 30, final: bool = False) -> None:
-    """A one-line progress bar for long phases (the built-in model's warm-up, evaluation)."""
-    frac = done / max(total, 1)
-    sys.stdout.write(f"\r[{'#' * int(frac * width):<{width}}] {done}/{total}  {label}   ")
-    if final or done >= total:
-        sys.stdout.write("\n")
-    sys.stdout.flush()

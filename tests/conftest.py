@@ -95,13 +95,14 @@ def smollm2_model(model_cache):
     return str(build_smollm2(ModelConfig(cache_dir=model_cache), log=lambda *_: None))
 
 
-def cli(*args, cwd=None, env=None, timeout=600):
-    """Run the real console entry point in a subprocess."""
+def cli(*args, cwd=None, env=None, timeout=600, raw=False):
+    """Run the real console entry point in a subprocess, stdout and stderr to pipes. ``raw``: its
+    output as bytes, as written (text mode turns a carriage return into a newline)."""
     import subprocess
 
     exe = Path(sys.executable).with_name("prorl-async")
     full_env = {**os.environ, **(env or {})}
     for k in ("RAY_ADDRESS",):
         full_env.pop(k, None)
-    return subprocess.run([str(exe), *args], cwd=cwd, env=full_env, capture_output=True, text=True,
+    return subprocess.run([str(exe), *args], cwd=cwd, env=full_env, capture_output=True, text=not raw,
                           timeout=timeout)

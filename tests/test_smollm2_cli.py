@@ -5,31 +5,52 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
 from tests.conftest import ROOT, cli
+from tests.test_console import foreign_lines
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]  # ~3 min alone; a 135M model + vLLM + learner need ~4 GB free
 
 
+SMALL = ["train.total_steps=2", "train.prompts_per_step=2", "rollout.n=2", "rollout.prompts_per_request=2",
+         "rollout.max_new_tokens=16", "algo.dynamic_sampling=false", "train.micro_batch_size=4",
+         "data.eval=builtin:chat-arith?n=4&seed=2&split=eval", "train.eval_samples=1"]
+
+
 def test_smollm2_config_trains_two_steps(tmp_path, smollm2_model, model_cache):
+    """Two steps; the console (stdout and stderr through pipes) holds only the project's lines, no
+    carriage return; vLLM's, DeepSpeed's and torch's lines are in the run's logs/ folder."""
     run_dir = tmp_path / "run"
-    res = cli("train", "--config", str(ROOT / "configs" / "smollm2_cpu.yaml"),
-              "train.total_steps=2", "train.prompts_per_step=2", "rollout.n=2", "rollout.prompts_per_request=2",
-              "rollout.max_new_tokens=16", "algo.dynamic_sampling=false", "train.micro_batch_size=4",
-              "data.eval=builtin:chat-arith?n=4&seed=2&split=eval", "train.eval_samples=1",
-              f"model.cache_dir={model_cache}", f"run_dir={run_dir}", timeout=1500)
-    out = res.stdout + res.stderr
+    res = cli("train", "--config", str(ROOT / "configs" / "smollm2_cpu.yaml"), *SMALL,
+              f"model.cache_dir={model_cache}", f"run_dir={run_dir}", timeout=1500, raw=True)
+    raw = res.stdout + res.stderr
+    out, stdout = raw.decode(errors="replace"), res.stdout.decode(errors="replace")
     assert res.returncode == 0, out[-4000:]
+    assert foreign_lines(out) == [], out[-4000:]
+    assert b"\r" not in raw
+    assert "WARNING" in (run_dir / "logs" / "generator-0.log").read_text()  # vLLM's lines went to the file
     history = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
     assert [h["step"] for h in history] == [1, 2]
     for h in history:
         assert math.isfinite(h["actor/pg_loss"]) and math.isfinite(h["actor/grad_norm"])
         assert h["async/trained_staleness_max"] <= 1
-    assert "step    2/2" in res.stdout and "held-out" in res.stdout
+    assert "step    2/2" in stdout and "held-out" in stdout
     assert " INFO " not in out  # vLLM's INFO logging is quiet by default
+
+
+def test_smollm2_verbose_shows_the_engines_lines(tmp_path, smollm2_model, model_cache):
+    """``--verbose``: vLLM's lines reach the console again, as Ray streams them."""
+    res = cli("train", "--verbose", "--config", str(ROOT / "configs" / "smollm2_cpu.yaml"), *SMALL,
+              "train.total_steps=1", "train.eval_interval=0", f"model.cache_dir={model_cache}",
+              f"run_dir={tmp_path / 'run'}", timeout=1500)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    assert re.search(r"\(GeneratorActor pid=\d+\).* WARNING .*\[\w+\.py:\d+\]", out), out[-4000:]
+    assert foreign_lines(out)
 
 
 def test_prorl_smollm2_config_preflights_its_pools_and_trains(tmp_path, smollm2_model, model_cache):
