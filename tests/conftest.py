@@ -8,6 +8,7 @@ environment.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -34,6 +35,42 @@ def ray_cluster():
     yield ray
     ray.shutdown()
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def environ_restored():
+    """``os.environ`` as it was, after the block (whatever the block or the code under it set)."""
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        if dict(os.environ) != before:
+            os.environ.clear()
+            os.environ.update(before)
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    """Every test leaves ``os.environ`` as it found it: a variable that a test or the code under it
+    set (a learner's torch.distributed world, vLLM's mode, an extensions dir) reaches neither later
+    tests nor the CLI subprocesses they start (``cli`` hands this process's environment on). A
+    session- or module-scoped fixture is set up before this snapshot, so what it sets lasts for
+    its scope; it restores the environment at its own teardown (``environ_restored``)."""
+    with environ_restored():
+        yield
+
+
+@pytest.fixture(scope="session")
+def _torch_ext_dir(tmp_path_factory):
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or str(tmp_path_factory.mktemp("torch-ext"))
+
+
+@pytest.fixture
+def ds_ext(_torch_ext_dir, monkeypatch):
+    """One torch-extensions dir for the session, set for this test: DeepSpeed's CPU comm op is
+    built once per session (in this process or in the subprocesses a test passes it to)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", _torch_ext_dir)
+    return _torch_ext_dir
 
 
 def _rss_bytes() -> int:

@@ -55,20 +55,37 @@ def _base_optimizer(opt):
     return getattr(opt, "optimizer", opt)
 
 
+@contextlib.contextmanager
+def scoped_env(values: dict[str, str]):
+    """``values`` in ``os.environ`` inside the block, the caller's environment restored after it:
+    torch.distributed's ``env://`` rendezvous and DeepSpeed read these variables while the world
+    and the engine are built, and an in-process learner must not hand them on to every process
+    its caller starts later (a subprocess would join a world that is not its own)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def ensure_process_group(rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1",
                          master_port: int = 0, backend: str = "gloo") -> None:
     """The learners' own torch.distributed world (separate from the weight-sync group). An explicit
-    ``master_port`` wins over an inherited ``MASTER_PORT`` (a parent's world, whose port is taken)."""
+    ``master_port`` wins over an inherited ``MASTER_PORT`` (a parent's world, whose port is taken);
+    the variables are set only while the world is built."""
     if dist.is_initialized():
         return
-    if master_port:
-        os.environ.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
-    os.environ.setdefault("MASTER_ADDR", master_addr)
-    os.environ.setdefault("MASTER_PORT", str(free_port(master_addr)))
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
-                       "LOCAL_WORLD_SIZE": "1"})
+    addr = master_addr if master_port else os.environ.get("MASTER_ADDR", master_addr)
+    port = str(master_port) if master_port else os.environ.get("MASTER_PORT") or str(free_port(master_addr))
     import deepspeed
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, rank=rank, world_size=world_size)
+    with scoped_env({"MASTER_ADDR": addr, "MASTER_PORT": port, "RANK": str(rank), "WORLD_SIZE": str(world_size),
+                     "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}):
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, rank=rank, world_size=world_size)
 
 
 def allreduce(x: torch.Tensor, op: str, device, world_size: int) -> torch.Tensor:
@@ -121,8 +138,9 @@ class DeepSpeedLearner:
             "wall_clock_breakdown": False,
         }
         opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-        self.engine, self.opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config,
-                                                           dist_init_required=False)
+        with scoped_env({"LOCAL_RANK": "0"}):  # the engine reads its device's index from it, once
+            self.engine, self.opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config,
+                                                               dist_init_required=False)
         # stepped once per learner step that updated, as TorchLearner does (not by DeepSpeed per optimizer step)
         warm = max(1, t.warmup_lr_steps)
         self.lr_sched = torch.optim.lr_scheduler.LambdaLR(_base_optimizer(self.opt), lambda s: min(1.0, (s + 1) / warm))

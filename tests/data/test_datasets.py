@@ -153,10 +153,8 @@ def test_builtin_unknown_name():
 
 
 def test_builtin_arithmetic_dispatch():
-    try:
-        from prorl_async.data import arithmetic
-    except ImportError:
-        pytest.skip("prorl_async.data.arithmetic not there yet")
+    from prorl_async.data import arithmetic
+
     rows = load_rows("builtin:arithmetic?n=20&seed=4&split=eval")
     assert rows == arithmetic.generate(20, 4, "eval")
     assert all(grade(r, r["answer"]).reward == 1.0 for r in rows)

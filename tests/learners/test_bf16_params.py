@@ -3,8 +3,13 @@
 and reference, fp32 buffers and masters), one update close to the fp32 learner's and to the
 autocast path's in loss and gradient, updates below bf16 resolution kept by the masters, the
 masters what the engines get and what a checkpoint saves and restores, exactly. On the built-in
-tiny model and on SmolLM2-135M when it is installed. Needs bf16 hardware (AMX / AVX-512 bf16
-CPU or a GPU): elsewhere the learner is fp32 and these tests skip."""
+tiny model and on SmolLM2-135M.
+
+The tiny-model tests run bf16 on any CPU: the ``bf16_cpu`` fixture makes the learner believe the
+CPU has bf16 (it falls back to fp32 without AMX / AVX-512 bf16), and torch computes bf16 there
+too, only slowly (~1 GFLOP/s on an AVX2 CPU), which the tiny model affords. SmolLM2 (135M) is too
+slow for that: where bf16 is unsupported its test checks the same update in fp32, i.e. that the
+learner asked for bf16 parameters falls back to exactly the fp32 learner's update."""
 
 from __future__ import annotations
 
@@ -14,11 +19,17 @@ import torch
 from prorl_async.config import load_config
 from prorl_async.learners.logprobs import cpu_has_bf16
 from prorl_async.learners.files import load_learner, write_learner
+from prorl_async.learners import torch_learner
 from prorl_async.learners.torch_learner import TorchLearner
 
 from tests.learners._batches import graded_table
 
-pytestmark = pytest.mark.skipif(not cpu_has_bf16(), reason="needs a CPU with AMX / AVX-512 bf16")
+
+
+@pytest.fixture
+def bf16_cpu(monkeypatch):
+    """The learner treats this CPU as a bf16 one (where it reads the probe)."""
+    monkeypatch.setattr(torch_learner, "cpu_has_bf16", lambda: True)
 
 
 def _cfg(model, precision: str, *over: str):
@@ -55,7 +66,7 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.nn.functional.cosine_similarity(a, b, dim=0))
 
 
-def test_bf16_params_layout(tiny_model):
+def test_bf16_params_layout(bf16_cpu, tiny_model):
     learner = TorchLearner(_cfg(tiny_model, "bf16", "algo.kl_coef=0.05"), tiny_model)
     assert learner.autocast and learner.masters is not None
     assert {p.dtype for p in learner.model.parameters()} == {torch.bfloat16}
@@ -96,7 +107,7 @@ def _assert_close_to(ref, new, loss_tol, grad_cos, grad_rel, delta_cos):
     assert float(dr.abs().max()) > 0 and _cos(dn, dr) > delta_cos  # the update points the same way
 
 
-def test_bf16_params_update_matches_fp32_and_autocast_on_the_tiny_model(tiny_model):
+def test_bf16_params_update_matches_fp32_and_autocast_on_the_tiny_model(bf16_cpu, tiny_model):
     table = graded_table(groups=4, n=4, seed=5, max_resp=9)
     fp32 = _one_update(tiny_model, "fp32", table)
     autocast = _one_update(tiny_model, "autocast", table)
@@ -109,10 +120,20 @@ def test_bf16_params_update_matches_fp32_and_autocast_on_the_tiny_model(tiny_mod
 
 
 def test_bf16_params_update_matches_fp32_and_autocast_on_smollm2(smollm2_model):
+    """On a bf16 CPU: bf16 parameters against fp32 and autocast. Elsewhere (fp32 fallback, bf16
+    at ~1 GFLOP/s too slow for 135M parameters): the learner asked for bf16 parameters makes
+    exactly the fp32 learner's update, with fp32 parameters and no masters."""
     table = graded_table(groups=2, n=4, seed=6, vocab=2000, prompt_len=12, max_resp=16)
     over = ("train.prompts_per_step=2", "train.micro_batch_tokens=64", "train.logprob_chunk_tokens=16",
             "train.lr=1e-5")
     fp32 = _one_update(smollm2_model, "fp32", table, *over)
+    if not cpu_has_bf16():
+        learner, metrics, grad, delta = _one_update(smollm2_model, "bf16", table, *over)
+        assert not learner.autocast and learner.masters is None
+        assert {p.dtype for p in learner.model.parameters()} == {torch.float32}
+        assert float(fp32[3].abs().max()) > 0 and torch.equal(delta, fp32[3]) and torch.equal(grad, fp32[2])
+        assert metrics["actor/pg_loss"] == fp32[1]["actor/pg_loss"]
+        return
     autocast = _one_update(smollm2_model, "autocast", table, *over)
     bf16 = _one_update(smollm2_model, "bf16", table, *over)
     # 30 layers of a bf16 residual stream (autocast keeps it fp32): looser than the tiny model
@@ -120,7 +141,7 @@ def test_bf16_params_update_matches_fp32_and_autocast_on_smollm2(smollm2_model):
     _assert_close_to(autocast, bf16, loss_tol=5e-2, grad_cos=0.95, grad_rel=0.35, delta_cos=0.8)
 
 
-def test_masters_keep_updates_below_bf16_resolution(tiny_model):
+def test_masters_keep_updates_below_bf16_resolution(bf16_cpu, tiny_model):
     """An AdamW step of lr = 1e-5 is far below bf16's spacing at weights above 0.05 (2^-8 relative)
     and far above fp32's:
     the fp32 masters move by ~lr, the bf16 parameters (the rounded masters) mostly do not; repeated
@@ -148,7 +169,7 @@ def test_masters_keep_updates_below_bf16_resolution(tiny_model):
     assert float((params[big] != params0[big]).float().mean()) < 0.2
 
 
-def test_checkpoint_keeps_fp32_masters_exactly(tiny_model, tmp_path):
+def test_checkpoint_keeps_fp32_masters_exactly(bf16_cpu, tiny_model, tmp_path):
     """A checkpoint saves the masters and AdamW state; a new learner restores them bitwise (not the
     rounded bf16 parameters) and then takes the same next update."""
     table = graded_table(groups=4, n=4, seed=5, max_resp=9)
@@ -173,7 +194,7 @@ def test_checkpoint_keeps_fp32_masters_exactly(tiny_model, tmp_path):
     assert any(not torch.equal(x, masters[n]) for n, x in a.named_tensors())  # the second update happened
 
 
-def test_named_tensors_are_the_current_weights_after_each_update(tiny_model):
+def test_named_tensors_are_the_current_weights_after_each_update(bf16_cpu, tiny_model):
     """What the weight sync sends after an update: the updated masters, and the bf16 parameters
     the learner computes with are exactly those, rounded (the copy-back ran)."""
     table = graded_table(groups=4, n=4, seed=5, max_resp=9)
@@ -188,7 +209,7 @@ def test_named_tensors_are_the_current_weights_after_each_update(tiny_model):
         prev = [t.clone() for t in now]
 
 
-def test_a_skipped_update_leaves_masters_and_parameters_alone(tiny_model):
+def test_a_skipped_update_leaves_masters_and_parameters_alone(bf16_cpu, tiny_model):
     """The non-finite rule with masters: a refused update (lr = 1e30) changes neither the masters nor the bf16 parameters."""
     table = graded_table(groups=4, n=4, seed=5, max_resp=9)
     learner = TorchLearner(_cfg(tiny_model, "bf16", "train.lr=1e30", "train.warmup_lr_steps=0"), tiny_model)

@@ -25,13 +25,7 @@ def _cfg(tiny_model, **over):
     return load_config(None, items)
 
 
-@pytest.fixture(scope="module")
-def ds_env(tmp_path_factory):
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(tmp_path_factory.mktemp("torch-ext")))
-    yield
-
-
-def test_several_optimizer_steps_per_learner_step_match_torch_learner(tiny_model, ds_env):
+def test_several_optimizer_steps_per_learner_step_match_torch_learner(tiny_model, ds_ext):
     """Two mini-batches and an LR warm-up: DeepSpeed steps its schedule per optimizer step,
     the learner counts learner steps as TorchLearner does, so both give the same weights."""
     from prorl_async.learners.deepspeed import DeepSpeedLearner
@@ -48,7 +42,7 @@ def test_several_optimizer_steps_per_learner_step_match_torch_learner(tiny_model
         torch.testing.assert_close(p1, p2, rtol=1e-4, atol=1e-5)
 
 
-def test_first_step_matches_torch_learner_then_trains_and_resets(tiny_model, ds_env):
+def test_first_step_matches_torch_learner_then_trains_and_resets(tiny_model, ds_ext):
     from prorl_async.learners.deepspeed import DeepSpeedLearner
     from prorl_async.learners.torch_learner import TorchLearner
 
@@ -74,6 +68,19 @@ def test_first_step_matches_torch_learner_then_trains_and_resets(tiny_model, ds_
         torch.testing.assert_close(p, r)
     m = dl.train_step(graded_table(groups=4, n=4, seed=99), 3)  # trains on after the reset
     assert math.isfinite(m["actor/pg_loss"]) and m["kl/loss_term"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_in_process_learner_leaves_the_environment_as_it_found_it(tiny_model, ds_ext):
+    """torch.distributed's and DeepSpeed's variables (MASTER_ADDR, RANK, LOCAL_RANK, ...) are set
+    only while the learner builds its world and its engine: a process its caller starts later (a
+    CLI run, a worker rank) inherits no world that is not its own. The learner trains without them."""
+    from prorl_async.learners.deepspeed import DeepSpeedLearner
+
+    before = dict(os.environ)
+    learner = DeepSpeedLearner(_cfg(tiny_model), tiny_model)
+    assert dict(os.environ) == before
+    assert math.isfinite(learner.train_step(graded_table(groups=4, n=4, seed=1), 0)["actor/pg_loss"])
+    assert dict(os.environ) == before
 
 
 @pytest.mark.distributed
