@@ -245,7 +245,8 @@ ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, logging_level="ERROR",
          _temp_dir=os.environ["PRORL_TEST_RAY_TMP"])
 try:
     opts, pg = generator_placement(load_config(None, ["rollout.generator_num_gpus=0"]), 0)
-    assert pg is None and opts == {"num_cpus": 1.0, "num_gpus": 0.0}, opts
+    assert pg is None and opts == {"num_cpus": 1.0, "num_gpus": 0.0,  # and the role its worker's log file is named by
+                                   "runtime_env": {"env_vars": {"PRORL_ASYNC_ROLE": "generator-0"}}}, opts
 
     opts, pg = generator_placement(load_config(None, ["rollout.generator_num_gpus=2"]), 0, timeout_s=60)
     table = ray.util.placement_group_table(pg)
