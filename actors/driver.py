@@ -343,7 +343,8 @@ def prompt_source(cfg: Config) -> PromptSource | Curriculum:
     rows, c = load_train_rows(cfg.data), cfg.curriculum
     if not c.enabled:
         return PromptSource(rows, seed=cfg.data.shuffle_seed)
-    return Curriculum(rows, seed=cfg.data.shuffle_seed, min_signal=c.min_signal, probe_frac=c.probe_frac, window=c.window)
+    return Curriculum(rows, seed=cfg.data.shuffle_seed, min_signal=c.min_signal, probe_frac=c.probe_frac, window=c.window,
+                      min_active=c.min_active, signal_by=c.signal_by)
 
 
 def run_preflight(cfg: Config, actors: Actors, source: Curriculum) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ray
 
-from prorl_async.algo.sampling import DEFAULT_TOL, uninformative_reason
+from prorl_async.algo.sampling import DEFAULT_TOL, group_counts
 from prorl_async.config import Config
 from prorl_async.metrics import pass_at_k
 from prorl_async.console import bar
@@ -59,8 +59,8 @@ def held_out(cfg: Config, actors: Actors, rows: list[dict], step: int, tracker: 
 
 def preflight(cfg: Config, actors: Actors, rows_by_pool: dict) -> dict:
     """The curriculum's preflight (:mod:`prorl_async.curriculum`): ``rollout.n`` samples of every row
-    at the rollout's sampling settings, graded; ``{pool: [groups, groups with signal, reward sum,
-    valid samples]}`` as the replay buffer counts them (a group has signal when its valid rewards differ)."""
+    at the rollout's sampling settings, graded; ``{pool: GROUP_COUNTS}`` summed as the replay buffer
+    sums them (:func:`~prorl_async.algo.sampling.group_counts`)."""
     rows = [row for pool in rows_by_pool.values() for row in pool]
     chunk, refs = cfg.rollout.prompts_per_request, []
     for i in range(0, len(rows), chunk):
@@ -76,11 +76,9 @@ def preflight(cfg: Config, actors: Actors, rows_by_pool: dict) -> dict:
             vs.append(valid)
     out: dict = {}
     for (dom, _), (rs, vs) in groups.items():
-        pool = out.setdefault(dom, [0, 0, 0.0, 0])
-        pool[0] += 1
-        pool[1] += uninformative_reason(rs, vs, DEFAULT_TOL) is None
-        pool[2] += sum(r for r, v in zip(rs, vs) if v)
-        pool[3] += sum(vs)
+        pool = out.setdefault(dom, [0, 0, 0.0, 0, 0])
+        for k, v in enumerate(group_counts(rs, vs, DEFAULT_TOL)):
+            pool[k] += v
     return out
 
 

@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prorl_async.algo.sampling import DEFAULT_TOL, uninformative_reason
+from prorl_async.algo.sampling import DEFAULT_TOL, group_counts, uninformative_reason
 from prorl_async.data.schema import ROLLOUT_SCHEMA
 from prorl_async.metrics import is_correct
 
@@ -79,7 +79,7 @@ class ReplayBuffer:
         invalid = int((~valid).sum())
         self.counters["samples_invalid"] += invalid
         domains = np.asarray(batch.column("domain").to_pylist(), dtype=object)
-        pools: dict = {}  # domain -> [groups, groups with signal, reward sum, valid samples] (the curriculum's input)
+        pools: dict = {}  # domain -> GROUP_COUNTS summed over its groups (the curriculum's input)
         _, first, inverse = np.unique(keys_np, return_index=True, return_inverse=True)
         members = np.split(np.argsort(inverse, kind="stable"), np.cumsum(np.bincount(inverse))[:-1])
         for g in np.argsort(first):  # groups in arrival order
@@ -87,11 +87,9 @@ class ReplayBuffer:
             good = idx[valid[idx]]
             self.counters["groups_in"] += 1
             reason = uninformative_reason(raw[idx], valid[idx], DEFAULT_TOL)
-            pool = pools.setdefault(domains[idx[0]], [0, 0, 0.0, 0])
-            pool[0] += 1
-            pool[1] += reason is None
-            pool[2] += float(raw[good].sum())
-            pool[3] += len(good)
+            pool = pools.setdefault(domains[idx[0]], [0, 0, 0.0, 0, 0])
+            for k, v in enumerate(group_counts(raw[idx], valid[idx], DEFAULT_TOL)):
+                pool[k] += v
             if reason == "too_few_valid":
                 self.counters["groups_dropped_invalid"] += 1
                 why["invalid"] += 1

@@ -175,6 +175,8 @@ class CurriculumConfig:
     min_signal: float = _f(0.1, "a pool is active while at least this share of its groups has unequal rewards (held below half of it)")
     probe_frac: float = _f(0.125, "share of requested prompts drawn from held pools (at least one per request of 2+ prompts while a pool is held)")
     window: int = _f(32, "groups a pool's moving signal and pass rate average over")
+    min_active: int = _f(1, "a floor: at least this many pools stay active (the held pools with the most signal are admitted to keep it)")
+    signal_by: str = _f("reward", "a group's signal: 'reward' (its rewards differ, what dynamic sampling keeps) or 'solved' (some samples fully correct, some not; partial credit alone does not count)")
 
 
 @dataclass(frozen=True)
@@ -431,6 +433,8 @@ def validate(cfg: Config) -> None:
     _require(0 < cur.min_signal <= 1, "curriculum.min_signal", f"must be in (0, 1], got {cur.min_signal}")
     _require(0 <= cur.probe_frac < 1, "curriculum.probe_frac", f"must be in [0, 1), got {cur.probe_frac}")
     _require(cur.window >= 1, "curriculum.window", f"must be >= 1, got {cur.window}")
+    _require(cur.min_active >= 1, "curriculum.min_active", f"must be >= 1, got {cur.min_active}")
+    _one_of(cur.signal_by, ("reward", "solved"), "curriculum.signal_by")
     _require(not cur.enabled or r.n >= 2, "curriculum.enabled",
              f"a pool's signal is the share of groups with unequal rewards: it needs rollout.n >= 2, got {r.n}")
     _require(t.eval_samples >= 1, "train.eval_samples", f"must be >= 1, got {t.eval_samples}")

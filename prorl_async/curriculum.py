@@ -10,16 +10,24 @@ pools do this per problem; here it is per pool, which needs no per-prompt histor
 
 * A **pool** is every training row of one domain (``rg:TASK@LEVEL`` for Reasoning Gym, so levels
   are pools of their own).
-* The **signal** of a pool is the share of its groups whose rewards are not all equal, and its
-  **pass rate** the mean reward of its samples (pass@1 where rewards are 0 or 1; with partial
-  credit, the mean score: the table's ``reward`` column); both are moving averages over about ``window``
-  groups (an exponential average with weight 1/window per group), started from the preflight.
+* The **signal** of a pool is the share of its groups whose rewards are not all equal
+  (``signal_by="reward"``, what dynamic sampling keeps) or whose samples split into fully correct
+  and not (``signal_by="solved"``: a partial-credit task whose scores always differ a little has
+  reward signal in every group, whether or not anything is ever solved), and its **pass rate** the
+  mean reward of its samples (pass@1 where rewards are 0 or 1; with partial credit, the mean score:
+  the table's ``reward`` column); both are moving averages over about ``window`` groups (an
+  exponential average with weight 1/window per group), started from the preflight.
 * **Preflight** (before step 1): ``preflight_prompts`` prompts of every pool, sampled as the
   rollouts are; the table of mean reward and signal per pool is printed and the pools are split.
   No pool with signal: the run stops at once with that table (:class:`NoSignal`).
 * A pool is **active** while its signal is at least ``min_signal`` and **held** otherwise
   (too hard: pass rate <= 0.5, or solved); an active pool is held only once its signal falls
   below half of ``min_signal`` (hysteresis), so a pool does not flip on one unlucky request.
+* At least ``min_active`` pools stay active (a **floor**): an active pool is not held while the
+  floor would break, and when fewer are active the held pools with the most signal are admitted.
+  As a policy sharpens, its samples of one prompt agree more often and every pool's signal falls
+  together; without a floor the batches then come from the one or two pools left, and the rest
+  of the mix is only probed (measured: one pool of 13 from step 153 of a 200-step run).
 * Prompts come round-robin from the active pools (each pool an equal share, whatever its size);
   ``probe_frac`` of them (at least one per request of two or more prompts while any pool is held)
   come from the held pools in turn, so their averages keep moving and a held pool whose signal
@@ -38,6 +46,7 @@ from dataclasses import dataclass, field
 from prorl_async.data.source import PromptSource
 
 ACTIVE, HELD = "active", "held"
+SIGNAL_BY = ("reward", "solved")
 
 
 class NoSignal(RuntimeError):
@@ -55,6 +64,7 @@ class Pool:
     changes: list = field(default_factory=list)  # (step, new status, signal) of every change
 
     def observe(self, groups: int, signal_groups: int, reward_sum: float, samples: int, alpha: float) -> None:
+        """Move the averages by ``groups`` new groups (``signal_groups`` of them with signal)."""
         if groups <= 0:
             return
         w = 1.0 - (1.0 - alpha) ** groups if self.groups else 1.0  # the first observation sets the average
@@ -67,7 +77,8 @@ class Pool:
 class Curriculum:
     """The pools of a run's training rows and the rule that feeds requests from them."""
 
-    def __init__(self, rows: list[dict], seed: int, min_signal: float, probe_frac: float, window: int):
+    def __init__(self, rows: list[dict], seed: int, min_signal: float, probe_frac: float, window: int,
+                 min_active: int = 1, signal_by: str = "reward"):
         if not rows:
             raise ValueError("the training dataset is empty; check data.train")
         by_domain: dict[str, list[dict]] = {}
@@ -76,6 +87,9 @@ class Curriculum:
         self.pools = {name: Pool(name, PromptSource(r, seed=seed + k))
                       for k, (name, r) in enumerate(sorted(by_domain.items()))}
         self.min_signal, self.probe_frac, self.alpha = min_signal, probe_frac, 1.0 / max(window, 1)
+        if signal_by not in SIGNAL_BY:
+            raise ValueError(f"curriculum.signal_by: {signal_by!r} is not one of {list(SIGNAL_BY)}")
+        self.min_active, self.signal_by = max(1, int(min_active)), signal_by
         self.seed = seed
         self.turn = {ACTIVE: 0, HELD: 0}  # round-robin positions
         self.probe_debt = 0.0             # probes owed (fractional) to the held pools
@@ -128,25 +142,47 @@ class Curriculum:
         replay buffer's ``put`` reports); returns a line for every pool whose status changed."""
         self.step = step
         lines = []
-        for name, (groups, signal_groups, reward_sum, samples) in pools.items():
+        for name, counts in pools.items():
             pool = self.pools.get(name)
             if pool is None:  # a domain this run does not train (cannot happen from its own requests)
                 continue
-            pool.observe(int(groups), int(signal_groups), float(reward_sum), int(samples), self.alpha)
+            self._observe(pool, counts)
             if line := self._decide(pool, step):
                 lines.append(line)
-        return lines
+        return lines + self._fill_floor(step)
+
+    def _observe(self, pool: Pool, counts) -> None:
+        """``counts``: the pool's :data:`~prorl_async.algo.sampling.GROUP_COUNTS` (a 4-long list,
+        without the solved split, is read as such where ``signal_by`` is "reward")."""
+        groups, reward_sum, samples = int(counts[0]), float(counts[2]), int(counts[3])
+        if self.signal_by == "solved":
+            if len(counts) < 5:
+                raise ValueError(f"curriculum: pool {pool.name}'s counts {list(counts)} lack the solved split "
+                                 "that signal_by='solved' reads")
+            signal = int(counts[4])
+        else:
+            signal = int(counts[1])
+        pool.observe(groups, signal, reward_sum, samples, self.alpha)
 
     def _decide(self, pool: Pool, step: int) -> str:
         if pool.status == HELD and pool.signal >= self.min_signal:
-            new = ACTIVE
-        elif pool.status == ACTIVE and pool.signal < self.min_signal / 2 and len(self.names(ACTIVE)) > 1:
-            new = HELD  # the last active pool stays: held pools are probed, active ones feed the batches
-        else:
-            return ""
+            return self._set(pool, ACTIVE, step, "re-admitted")
+        if pool.status == ACTIVE and pool.signal < self.min_signal / 2 and len(self.names(ACTIVE)) > self.min_active:
+            # the floor's pools stay (at least the last): held pools are probed, active ones feed the batches
+            return self._set(pool, HELD, step, f"held back ({self.why_held(pool)})")
+        return ""
+
+    def _fill_floor(self, step: int) -> list[str]:
+        """Admit the held pools with the most signal while fewer than ``min_active`` are active."""
+        held = sorted(self.names(HELD), key=lambda n: (-self.pools[n].signal, n))
+        missing = max(0, self.min_active - len(self.names(ACTIVE)))
+        return [self._set(self.pools[n], ACTIVE, step, f"admitted to keep {self.min_active} pools active")
+                for n in held[:missing]]
+
+    @staticmethod
+    def _set(pool: Pool, new: str, step: int, verb: str) -> str:
         pool.status = new
         pool.changes.append((step, new, round(pool.signal, 4)))
-        verb = "re-admitted" if new == ACTIVE else f"held back ({self.why_held(pool)})"
         return (f"curriculum: {pool.name} {verb} at step {step}: signal {pool.signal:.2f}, "
                 f"pass rate {pool.pass_rate:.2f} over {pool.groups} groups")
 
@@ -158,10 +194,11 @@ class Curriculum:
         """Set every pool from its preflight (``results``: ``{pool: [groups, signal_groups,
         reward_sum, samples]}``) and return the table; raises :class:`NoSignal` when no pool has signal."""
         for name, pool in self.pools.items():
-            groups, signal_groups, reward_sum, samples = results.get(name, (0, 0, 0.0, 0))
-            pool.observe(int(groups), int(signal_groups), float(reward_sum), int(samples), self.alpha)
+            self._observe(pool, results.get(name, (0, 0, 0.0, 0, 0)))
             pool.status = ACTIVE if pool.signal >= self.min_signal else HELD
             pool.changes.append((0, pool.status, round(pool.signal, 4)))
+        if self.names(ACTIVE):
+            self._fill_floor(0)
         table = self.table("preflight")
         if not self.names(ACTIVE):
             raise NoSignal(f"no task of the training mix has signal (a group with unequal rewards in at least "

@@ -114,7 +114,7 @@ def test_a_checkpoint_of_other_pools_is_refused():
 def test_the_buffer_reports_graded_groups_per_pool():
     n = 4
     groups = [("easy", "p0", [1, 0, 0, 1]), ("easy", "p1", [0, 0, 0, 0]), ("hard", "p2", [0, 0, 0, 0]),
-              ("solved", "p3", [1, 1, 1, 1])]
+              ("solved", "p3", [1, 1, 1, 1]), ("partial", "p4", [0.5, 0.25, 0.5, 0.75])]
     cols = {k: [] for k in ("sample_id", "prompt_id", "domain", "prompt_ids", "response_ids", "behavior_logprobs",
                             "policy_version", "finish_reason", "raw_reward", "reward_valid", "request_id",
                             "response_text")}
@@ -126,5 +126,48 @@ def test_the_buffer_reports_graded_groups_per_pool():
                          ("request_id", "r0"), ("response_text", "x")):
                 cols[k].append(v)
     info = ReplayBuffer(max_staleness=1).put(rollout_batch(cols))
-    assert info["pools"] == {"easy": [2, 1, 2.0, 2 * n], "hard": [1, 0, 0.0, n], "solved": [1, 0, 4.0, n]}
-    assert isinstance(rollout_batch(cols), pa.RecordBatch) and info["kept"] == 1
+    # [groups, with signal, reward sum, valid samples, split into solved and not]
+    assert info["pools"] == {"easy": [2, 1, 2.0, 2 * n, 1], "hard": [1, 0, 0.0, n, 0], "solved": [1, 0, 4.0, n, 0],
+                             "partial": [1, 1, 2.0, n, 0]}
+    assert isinstance(rollout_batch(cols), pa.RecordBatch) and info["kept"] == 2
+
+
+def test_a_floor_of_active_pools_admits_the_held_pools_with_the_most_signal():
+    c = Curriculum(rows("a", 10) + rows("b", 10) + rows("c", 10) + rows("d", 10), seed=0, min_signal=0.2,
+                   probe_frac=0.125, window=4, min_active=3)
+    table = c.preflight({"a": [8, 4, 4.0, 32], "b": [8, 1, 1.0, 32], "c": [8, 0, 0.0, 32], "d": [8, 0, 32.0, 32]})
+    # only a has signal >= 0.2; b (0.125) has the most of the rest, then c and d tie at 0 (by name)
+    assert c.names(ACTIVE) == ["a", "b", "c"] and c.names(HELD) == ["d"]
+    assert "preflight: 3 of 4 pools active" in table
+    # every pool's signal collapses (a sharpening policy): the floor keeps three of them fed
+    c.observe({n: [40, 0, 20.0, 160] for n in "abcd"}, step=7)
+    assert len(c.names(ACTIVE)) == 3
+    # a held pool whose signal returns is re-admitted; then one of the floor's pools may step aside
+    lines = c.observe({"d": [20, 20, 40.0, 80]}, step=8)
+    assert "curriculum: d re-admitted at step 8" in lines[0] and len(c.names(ACTIVE)) == 4
+    lines = c.observe({"a": [1, 0, 0.0, 4]}, step=9)
+    assert c.pools["a"].status == HELD and len(c.names(ACTIVE)) == 3 and "held back" in lines[0]
+
+
+def test_without_a_floor_a_collapse_leaves_one_pool():  # the behaviour the floor exists for
+    c = Curriculum(rows("a", 10) + rows("b", 10) + rows("c", 10), seed=0, min_signal=0.2, probe_frac=0.125,
+                   window=4)
+    c.preflight({n: [8, 4, 4.0, 32] for n in "abc"})
+    c.observe({n: [40, 0, 20.0, 160] for n in "abc"}, step=7)
+    assert len(c.names(ACTIVE)) == 1
+
+
+def test_signal_by_solved_ignores_partial_credit_that_never_solves():
+    kw = dict(seed=0, min_signal=0.2, probe_frac=0.125, window=4)
+    # "partial": every group's scores differ (signal 1.0 by reward) but no sample is fully correct
+    pre = {"partial": [8, 8, 12.0, 32, 0], "binary": [8, 4, 10.0, 32, 4]}
+    by_reward = Curriculum(rows("partial", 10) + rows("binary", 10), signal_by="reward", **kw)
+    by_reward.preflight(pre)
+    by_solved = Curriculum(rows("partial", 10) + rows("binary", 10), signal_by="solved", **kw)
+    by_solved.preflight(pre)
+    assert by_reward.names(ACTIVE) == ["binary", "partial"]
+    assert by_solved.names(ACTIVE) == ["binary"] and by_solved.pools["partial"].signal == 0.0
+    with pytest.raises(ValueError, match="lack the solved split"):
+        by_solved.observe({"binary": [1, 1, 1.0, 4]}, step=1)
+    with pytest.raises(ValueError, match="signal_by"):
+        Curriculum(rows("x", 2), signal_by="score", **kw)

@@ -26,7 +26,7 @@ import torch
 
 from ._checks import check_finite, check_ndim, check_shape, sample_mask
 
-__all__ = ["DynamicSamplingCollector", "informative_groups", "uninformative_reason"]
+__all__ = ["DynamicSamplingCollector", "GROUP_COUNTS", "group_counts", "informative_groups", "uninformative_reason"]
 
 DEFAULT_TOL = 1e-6
 
@@ -75,6 +75,20 @@ def uninformative_reason(rewards: Sequence[float], valid: Sequence[bool], tol: f
     if max(vals) - min(vals) <= tol:
         return "all_equal"
     return None
+
+
+GROUP_COUNTS = ("groups", "signal_groups", "reward_sum", "samples", "solved_split_groups")
+
+
+def group_counts(rewards: Sequence[float], valid: Sequence[bool], tol: float = DEFAULT_TOL) -> list:
+    """One group's share of its pool's counts (:data:`GROUP_COUNTS`, what the curriculum reads):
+    ``[1, has signal, sum of valid rewards, valid samples, splits solved]``. *Signal*: the valid
+    rewards differ (what dynamic sampling keeps); *splits solved*: at least one valid sample is
+    fully correct (reward >= 1 - tol) and at least one is not, which partial credit alone never makes."""
+    vals = [float(r) for r, v in zip(rewards, valid) if v]
+    solved = sum(r >= 1.0 - tol for r in vals)
+    return [1, int(uninformative_reason(rewards, valid, tol) is None), float(sum(vals)), len(vals),
+            int(0 < solved < len(vals))]
 
 
 class DynamicSamplingCollector:
