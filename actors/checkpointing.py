@@ -15,6 +15,7 @@ version through one full weight sync. :func:`save_policy` writes the run directo
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -26,6 +27,7 @@ import torch
 
 from prorl_async import checkpoint
 from prorl_async.config import save_config
+from prorl_async.models import load_tokenizer
 from prorl_async.outputs import BEST, HISTORY, begin_dir, commit_dir, read_best, read_history, write_best_record, write_history
 from prorl_async.selection import Best, reconcile
 from prorl_async.rng import rng_state, set_rng_state
@@ -102,8 +104,6 @@ def save_policy(loop, name: str, best: Optional[Best] = None) -> Path:
     tmp = begin_dir(loop.run_dir, name)
     try:
         ray.get(loop.actors.learner.save_model.remote(str(tmp.resolve())), timeout=max(loop.cfg.train.sync_timeout_s, 600))
-        from prorl_async.models import load_tokenizer
-
         try:
             load_tokenizer(loop.model_path).save_pretrained(tmp)
         except (OSError, ValueError):
@@ -111,8 +111,6 @@ def save_policy(loop, name: str, best: Optional[Best] = None) -> Path:
         if best is not None:
             write_best_record(tmp, best)
     except BaseException:
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return commit_dir(tmp, loop.run_dir / name)

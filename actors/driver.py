@@ -280,7 +280,7 @@ class TrainingLoop:
             raise RunError(str(err)) from None
         if t.keep_best and improves(Best.from_dict(s.best), t.keep_best, t.keep_best_mode, val[t.keep_best]):
             best = Best(t.keep_best, t.keep_best_mode, step, val[t.keep_best])
-            path = checkpointing.save_policy(self, "best", best)
+            path = checkpointing.save_policy(self, BEST, best)
             s.best = best.to_dict()
             print(f"best: {best.metric} {best.value:.3f} at step {step} -> {path}", flush=True)
         if periodic and self.stop_rule and self.stop_rule.reached(val):
