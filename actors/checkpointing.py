@@ -8,12 +8,14 @@ starts; in-flight requests land in the buffer, a running train step and its weig
 (``buffer.parquet``), and the driver adds the saved fields of its
 :class:`~actors.loop_state.LoopState` (``driver.json``), its RNG states and ``history.jsonl``.
 A restore puts all of it back and gives the generators the checkpoint's weights and policy
-version through one full weight sync.
+version through one full weight sync. :func:`save_policy` writes the run directory's HF folders
+(``final/``, ``best/``), each atomically.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -25,7 +27,9 @@ import torch
 
 from prorl_async import checkpoint
 from prorl_async.config import save_config
-from prorl_async.outputs import HISTORY, read_history, write_history
+from prorl_async.models import load_tokenizer
+from prorl_async.outputs import BEST, HISTORY, begin_dir, commit_dir, read_best, read_history, write_best_record, write_history
+from prorl_async.selection import Best, reconcile
 from prorl_async.rng import rng_state, set_rng_state
 
 from actors.cluster import RunError, get
@@ -94,6 +98,34 @@ def save(loop, reason: str) -> Optional[Path]:
     return path
 
 
+def save_policy(loop, name: str, best: Optional[Best] = None) -> Path:
+    """The learner's current policy as the HF folder ``run_dir/name`` (weights, the model's
+    tokenizer; ``best.json`` for ``best``), written to a temp folder and renamed into place."""
+    tmp = begin_dir(loop.run_dir, name)
+    try:
+        ray.get(loop.actors.learner.save_model.remote(str(tmp.resolve())), timeout=max(loop.cfg.train.sync_timeout_s, 600))
+        try:
+            load_tokenizer(loop.model_path).save_pretrained(tmp)
+        except (OSError, ValueError):
+            pass  # a model folder without a tokenizer (as in a checkpoint's policy/)
+        if best is not None:
+            write_best_record(tmp, best)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return commit_dir(tmp, loop.run_dir / name)
+
+
+def restore_best(loop) -> None:
+    """``train.keep_best`` at a resume: the better of the checkpoint's record and ``best/best.json``
+    (written after the checkpoint, e.g. at the final evaluation), so a worse policy never replaces it."""
+    t, s = loop.cfg.train, loop.s
+    best = reconcile(Best.from_dict(s.best), read_best(loop.run_dir), t.keep_best, t.keep_best_mode) if t.keep_best else None
+    s.best = best.to_dict() if best else {}
+    if best:
+        print(f"best so far: {best.metric} {best.value:.3f} at step {best.step} ({loop.run_dir / BEST})", flush=True)
+
+
 def restore(loop, ckpt) -> None:
     """Back to checkpoint ``ckpt``: learner, buffer, data cursor, loop state, RNG states, history;
     generators get the checkpoint's weights and version through one full weight sync."""
@@ -122,3 +154,4 @@ def restore(loop, ckpt) -> None:
     set_rng_state(torch.load(ckpt.path / "driver_rng.pt", weights_only=False))
     print(f"resumed from {ckpt.path} at step {s.version} ({s.consumed} groups trained, "
           f"{loop.source.consumed} prompts drawn, {s.buffered} groups buffered)", flush=True)
+    restore_best(loop)

@@ -8,6 +8,9 @@ the buffer re-checks the bound when it hands a batch out. ``max_staleness=0`` is
 strictly on-policy baseline through the same code. All loop state is one :class:`LoopState`, also what
 a checkpoint saves (:mod:`actors.checkpointing`); run-directory files: :mod:`prorl_async.outputs`.
 What a failed call leads to is decided by :mod:`actors.failures`; this loop applies the decision.
+Every held-out evaluation goes to :mod:`prorl_async.selection` too (``train.keep_best``: write
+``best/``; ``train.stop_at``: stop after this evaluation); with either set, the learner waits for
+each periodic evaluation, so ``best/`` holds the evaluated weights and a stop lands on the evaluated step.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from prorl_async.data.datasets import load_source, load_train_rows
 from prorl_async.data.source import PromptSource
 from prorl_async.metrics import domain_metrics, rollout_metrics, rss_mb, utilisation_metrics
 from prorl_async.models import resolve_model_path
-from prorl_async.outputs import format_table, prepare_run_dir, write_final
+from prorl_async.outputs import BEST, FINAL, format_table, prepare_run_dir, write_final
 from prorl_async.refill import RefillWatch
+from prorl_async.selection import Best, improves, parse_stop_at, require_logged
 from prorl_async.staleness import plan_requests
 from prorl_async.tracking import Tracker, progress_line
 
@@ -54,6 +58,7 @@ class TrainingLoop:
         self.refill = RefillWatch(cfg.train.prompts_per_step, cfg.algo.max_refill_rounds, self.s.t_start)
         self.failures = FailurePolicy(cfg.rollout.max_generator_failures, run_dir)
         self.actor_warnings = ActorWarnings()  # the project's warnings raised inside actors
+        self.stop_rule = parse_stop_at(cfg.train.stop_at, cfg.train.eval_samples)
 
     # ------------------------------------------------------------ the loop
     def run(self) -> list[dict]:
@@ -65,7 +70,7 @@ class TrainingLoop:
 
     def _run(self) -> list[dict]:
         s, total = self.s, self.cfg.train.total_steps
-        while s.version < total or s.training is not None:
+        while (s.version < total or s.training is not None) and not s.stop_reason:
             if self.checkpoint_due():
                 self.checkpoint("interval")
                 continue
@@ -147,8 +152,10 @@ class TrainingLoop:
     # ------------------------------------------------------------ train -> broadcast
     def start_train_step(self) -> None:
         s, G = self.s, self.cfg.train.prompts_per_step
-        if s.training is not None or s.buffered < G:
+        if s.training is not None or s.buffered < G or s.stop_reason:
             return
+        if (self.cfg.train.keep_best or self.stop_rule) and self.eval_due():
+            return  # the learner keeps the evaluated weights (best/) and the stop lands on this step
         info = ray.get(self.actors.buffer.take.remote(s.version, G))  # counts, and a reference to the table
         s.buffered -= info["taken"] + info["stale_dropped"]
         s.live -= info["taken"] + info["stale_dropped"]
@@ -257,8 +264,28 @@ class TrainingLoop:
         print(f"held-out at step {s.version}: " + "  ".join(
             f"{k.removeprefix('val/')} {v:.3f}" for k, v in val.items()
             if k.startswith("val/pass@") and k.count("/") == 1), flush=True)  # overall; per domain in Aim
+        self.observe_evaluation(val, s.version, periodic=True)
         if isinstance(self.source, Curriculum):
             print(self.source.table(f"curriculum at step {s.version}"), flush=True)
+
+    def observe_evaluation(self, val: dict, step: int, periodic: bool) -> None:
+        """An evaluation of the learner's current weights (step ``step``): a new best is written as
+        ``best/``; a periodic one that reaches ``train.stop_at`` ends the loop after it."""
+        t, s = self.cfg.train, self.s
+        try:
+            for key, name in (("train.keep_best", t.keep_best), ("train.stop_at", self.stop_rule and self.stop_rule.metric)):
+                if name:
+                    require_logged(name, val, key)
+        except ValueError as err:
+            raise RunError(str(err)) from None
+        if t.keep_best and improves(Best.from_dict(s.best), t.keep_best, t.keep_best_mode, val[t.keep_best]):
+            best = Best(t.keep_best, t.keep_best_mode, step, val[t.keep_best])
+            path = checkpointing.save_policy(self, BEST, best)
+            s.best = best.to_dict()
+            print(f"best: {best.metric} {best.value:.3f} at step {step} -> {path}", flush=True)
+        if periodic and self.stop_rule and self.stop_rule.reached(val):
+            s.stop_reason = self.stop_rule.reason(val, step)
+            print(f"stopping: {s.stop_reason}; the checkpoint, the final evaluation and final/ follow", flush=True)
 
     def checkpoint_due(self) -> bool:
         v, every = self.s.version, self.cfg.train.checkpoint_interval
@@ -394,6 +421,8 @@ def _run(cfg: Config, resume, run_dir, t0: float) -> dict:
         loop = TrainingLoop(cfg, actors, source, tracker, eval_rows, run_dir, model_path, before)
         if resume is not None:
             checkpointing.restore(loop, resume)
+        else:
+            loop.observe_evaluation(before, 0, periodic=False)
         try:
             history = loop.run()
         except RunError:
@@ -406,23 +435,31 @@ def _run(cfg: Config, resume, run_dir, t0: float) -> dict:
                 except Exception as e:  # the stop reason matters more than this checkpoint
                     log.warning("no checkpoint at the stop: %s", cause(e))
             raise
-        loop.checkpoint("end")
+        loop.checkpoint("stop_at" if loop.s.stop_reason else "end")
         steps = loop.s.version
         after = held_out(cfg, actors, eval_rows, steps, tracker)
-        ray.get(actors.learner.save_model.remote(str((run_dir / "final").resolve())))
+        loop.observe_evaluation(after, steps, periodic=False)
+        checkpointing.save_policy(loop, FINAL)
         summary = {"run_dir": str(run_dir), "aim_run_hash": tracker.hash, "steps": steps,
                    "wall_time_s": time.time() - t0, "before": loop.s.before, "after": after,
                    "max_trained_staleness": max((h.get("async/trained_staleness_max", 0) for h in history), default=0),
                    "generator_failures": loop.s.gen_failures, "grader_failures": loop.s.grader_failures,
                    "weight_resyncs": loop.s.resyncs, "reissued_prompts": loop.s.reissued,
                    "weight_sync_backend": actors.sync_backend,
-                   "prompts_consumed": source.consumed, "final_metrics": history[-1] if history else {}}
+                   "prompts_consumed": source.consumed, "stopped": loop.s.stop_reason or None,
+                   "best": loop.s.best if cfg.train.keep_best else None,
+                   "final_metrics": history[-1] if history else {}}
         if isinstance(source, Curriculum):
             summary["curriculum"] = source.state_dict()["pools"]
             print(source.table("curriculum at the end"), flush=True)
         tracker.set("summary", {k: v for k, v in summary.items() if k != "final_metrics"})
         write_final(run_dir, summary, history, loop.s.trained_groups)
         print(format_table(loop.s.before, after), flush=True)
+        if summary["best"]:
+            b = summary["best"]
+            print(f"best: {b['metric']} {b['value']:.3f} at step {b['step']} ({run_dir / BEST})", flush=True)
+        if loop.s.stop_reason:
+            print(f"stopped early: {loop.s.stop_reason}", flush=True)
         print(f"done: {steps} steps in {summary['wall_time_s']:.0f}s; run dir {run_dir}", flush=True)
         return summary
     finally:

@@ -2,8 +2,9 @@
 
 ``val/pass@1`` is the mean correctness over ``train.eval_samples`` samples per prompt and
 ``val/pass@k`` whether any of them is correct (:func:`prorl_async.metrics.pass_at_k`);
-``val/greedy/pass@1`` one greedy sample per prompt. The seeds are the same at every
-evaluation, so before/after differences come from the weights, not the draws.
+``val/greedy/pass@1`` one greedy sample per prompt. The samples are drawn at
+``train.eval_temperature`` (when set; else ``rollout.temperature``, the rollouts'). The seeds
+are the same at every evaluation, so before/after differences come from the weights, not the draws.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def evaluate(cfg: Config, actors: Actors, rows: list[dict], step: int, tracker: 
     for i in range(0, len(rows), chunk):
         part, gen = rows[i:i + chunk], actors.generators[(i // chunk) % len(actors.generators)]
         seed = cfg.train.seed * 1_000_003 + 7919 * i + 17  # same seeds at every evaluation
-        refs.append(actors.grader.grade.remote(part, gen.generate.remote(part, n, seed, greedy)))
+        refs.append(actors.grader.grade.remote(part, gen.generate.remote(part, n, seed, greedy, cfg.train.eval_temperature)))
     samples, texts = [], []
     for b in gather(refs, f"{'greedy' if greedy else 'sampled'} held-out evaluation, step {step}" if show else ""):
         d = b.to_pydict()

@@ -79,10 +79,11 @@ class GeneratorActor:
             self.engine.abort()
 
     # ------------------------------------------------------------------ generation
-    def generate(self, rows: list[dict], n: int, seed: int, greedy: bool = False):
-        """One request: ``n`` samples for each row -> a RecordBatch in the rollout schema."""
+    def generate(self, rows: list[dict], n: int, seed: int, greedy: bool = False, temperature: float = 0.0):
+        """One request: ``n`` samples for each row -> a RecordBatch in the rollout schema; at
+        ``temperature`` (an evaluation's), else ``rollout.temperature``."""
         r = self.cfg.rollout
-        spec = SamplingSpec(n=n, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+        spec = SamplingSpec(n=n, temperature=temperature or r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                             seed=seed, greedy=greedy)
         prompt_ids = [encode_prompt(self.tokenizer, row["prompt"], row.get("id", "?")) for row in rows]
         t0 = time.perf_counter()

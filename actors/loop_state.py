@@ -55,6 +55,7 @@ class LoopState:
     trained_groups: list = field(default_factory=list)      # request_id/prompt_id of every group, per step
     before: dict = field(default_factory=dict)              # held-out metrics before training
     last_eval: int = -1
+    best: dict = field(default_factory=dict)                # train.keep_best: metric, mode, step, value of best/
     history: list = field(default_factory=list)             # metrics per step (history.jsonl)
     # ------------------------------------------------------------------------ not saved
     t_start: float = 0.0         # run start (a resumed run: now minus the checkpoint's elapsed_s)
@@ -72,6 +73,7 @@ class LoopState:
     learner_dead: bool = False
     buffer_dead: bool = False
     grader_down: bool = False    # a grader death was counted; cleared by the next graded request
+    stop_reason: str = ""        # train.stop_at reached: why the run stops after this evaluation
     eval_owed: bool = False      # an evaluation failed (a generator died): done again after the re-sync
     stopping: bool = False       # writing the stop checkpoint: failures are recorded, not raised again
     reissued: list = field(default_factory=list)   # prompt ids of requests re-issued after a failure
@@ -81,4 +83,4 @@ class LoopState:
 
     SAVED: ClassVar[tuple] = ("version", "consumed", "live", "buffered", "requests", "window", "busy_s", "train_busy_s",
                               "gen_busy_s", "resyncs", "gen_failures", "grader_failures", "invalid_by_reason", "retry", "trained_groups",
-                              "before", "last_eval")
+                              "before", "last_eval", "best")

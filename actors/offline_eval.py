@@ -2,7 +2,7 @@
 
 The same generators and grader as a training run's held-out evaluation
 (:func:`actors.evaluation.evaluate`): ``--samples`` samples per prompt from the configured
-engine at ``rollout.temperature``, graded by the domain verifiers; pass@1 is the mean
+engine at ``train.eval_temperature`` (when set; else ``rollout.temperature``), graded by the domain verifiers; pass@1 is the mean
 correctness over the samples of a prompt, pass@k whether any of them is correct
 (:func:`prorl_async.metrics.pass_at_k`). Only generators and the grader are started (no
 learner, no buffer, no weight sync); an Aim run only with ``--aim``.

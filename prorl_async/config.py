@@ -21,6 +21,7 @@ import yaml
 
 from prorl_async.algo import ADVANTAGE_ESTIMATORS, IS_MODES, KL_KINDS, OVERLONG_MODES
 from prorl_async.engines.base import VLLM_ENGINE_CORES
+from prorl_async.selection import MODES as KEEP_BEST_MODES, check_metric, parse_stop_at
 
 #: ``train.compile`` (prorl_async.learners.compile)
 COMPILE_CHOICES = ("auto", "always", "never")
@@ -143,6 +144,10 @@ class TrainConfig:
     seed: int = _f(0, "seed of the learner and of python/numpy/torch RNGs")
     eval_interval: int = _f(40, "evaluate on the held-out split every N steps (0 = only before/after)")
     eval_samples: int = _f(4, "samples per held-out prompt for pass@1 (mean) and pass@k")
+    eval_temperature: float = _f(0.0, "sampling temperature of the held-out evaluations (0 = rollout.temperature); the greedy sample beside them stays greedy")
+    keep_best: str = _f("", "keep the evaluated policy with the best value of this held-out metric as RUN_DIR/best/ (HF folder): val/pass@1, val/pass@K (K = eval_samples), or either with /<domain>; empty = off")
+    keep_best_mode: str = _f("max", "train.keep_best: max (higher is better) or min")
+    stop_at: str = _f("", "stop once a periodic evaluation reaches METRIC OP NUMBER (e.g. val/pass@1>=0.9; OP >=, <=, >, <), with the checkpoint and final/ written; empty = off")
     checkpoint_interval: int = _f(0, "checkpoint every N steps (0 = only at the end)")
     keep_last: int = _f(2, "checkpoints kept")
     learner_num_cpus: float = _f(1.0, "CPUs Ray reserves for the learner")
@@ -438,6 +443,17 @@ def validate(cfg: Config) -> None:
     _require(not cur.enabled or r.n >= 2, "curriculum.enabled",
              f"a pool's signal is the share of groups with unequal rewards: it needs rollout.n >= 2, got {r.n}")
     _require(t.eval_samples >= 1, "train.eval_samples", f"must be >= 1, got {t.eval_samples}")
+    _require(t.eval_temperature >= 0, "train.eval_temperature",
+             f"must be >= 0 (0 = rollout.temperature), got {t.eval_temperature}")
+    _one_of(t.keep_best_mode, KEEP_BEST_MODES, "train.keep_best_mode")
+    for key, check in (("train.keep_best", lambda: t.keep_best and check_metric(t.keep_best, t.eval_samples)),
+                       ("train.stop_at", lambda: parse_stop_at(t.stop_at, t.eval_samples))):
+        try:
+            check()
+        except ValueError as e:
+            raise ConfigError(f"{key}: {e}") from None
+    _require(not t.stop_at or t.eval_interval > 0, "train.stop_at",
+             f"is checked at the periodic evaluations; set train.eval_interval > 0 (got {t.eval_interval})")
     _require(t.learner in ("torch", "deepspeed"), "train.learner", f"must be torch or deepspeed, got {t.learner!r}")
     _require(t.zero_stage in (0, 1, 2, 3), "train.zero_stage", f"must be 0, 1, 2 or 3, got {t.zero_stage}")
     _require(t.num_learners == 1 or t.learner == "deepspeed", "train.num_learners",

@@ -6,7 +6,9 @@
                            file goes into each checkpoint
     summary.json           steps, wall time, held-out metrics before/after, failure counters, last metrics
     trained_groups.jsonl   per step, the ``request_id/prompt_id`` of every group the learner trained on
-    final/                 the trained policy as a HF folder (written by the learner)
+    final/                 the trained policy as a HF folder (weights by the learner, tokenizer)
+    best/                  with ``train.keep_best``: the evaluated policy with the best held-out value
+                           (HF folder like final/, plus ``best.json``: metric, mode, step, value)
     checkpoints/           :mod:`prorl_async.checkpoint`
 
 Pure: no Ray.
@@ -15,14 +17,21 @@ Pure: no Ray.
 from __future__ import annotations
 
 import json
+import os
+import secrets
+import shutil
 import time
 from pathlib import Path
+from typing import Optional
 
-from prorl_async.checkpoint import atomic_write_text
+from prorl_async.checkpoint import TMP_PREFIX, atomic_write_text, fsync_dir, fsync_tree
+from prorl_async.selection import Best
 
 HISTORY = "history.jsonl"
 SUMMARY = "summary.json"
 TRAINED_GROUPS = "trained_groups.jsonl"
+FINAL, BEST = "final", "best"
+BEST_JSON = "best.json"
 
 
 def prepare_run_dir(cfg) -> Path:
@@ -30,6 +39,43 @@ def prepare_run_dir(cfg) -> Path:
     run_dir = Path(cfg.run_dir or Path("runs") / f"{cfg.tracking.run_name or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
+
+
+def begin_dir(run_dir: Path, name: str) -> Path:
+    """A fresh temp folder in ``run_dir`` for ``name`` (final, best); earlier leftovers removed."""
+    run_dir = Path(run_dir)
+    for old in run_dir.glob(f"{TMP_PREFIX}*-{name}"):
+        shutil.rmtree(old, ignore_errors=True)
+    tmp = run_dir / f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{name}"
+    tmp.mkdir()
+    return tmp
+
+
+def commit_dir(tmp: Path, dest: Path) -> Path:
+    """Swap the finished folder ``tmp`` in as ``dest``: every file fsynced, an old ``dest`` moved
+    aside, ``tmp`` renamed, the old one removed. A reader sees the old folder or the new one."""
+    fsync_tree(tmp)
+    old = None
+    if dest.exists():
+        old = dest.with_name(f"{TMP_PREFIX}{os.getpid()}-old-{secrets.token_hex(4)}-{dest.name}")
+        os.replace(dest, old)
+    os.replace(tmp, dest)
+    fsync_dir(dest.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return dest
+
+
+def write_best_record(folder: Path, best: Best) -> None:
+    (Path(folder) / BEST_JSON).write_text(json.dumps(best.to_dict(), indent=1) + "\n")
+
+
+def read_best(run_dir: Path) -> Optional[Best]:
+    """What ``run_dir/best/`` holds (None when there is none)."""
+    try:
+        return Best.from_dict(json.loads((Path(run_dir) / BEST / BEST_JSON).read_text()))
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def _jsonl(rows: list) -> str:

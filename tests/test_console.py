@@ -30,6 +30,8 @@ PROJECT_LINES = [re.compile(p) for p in (
     r"preflight: .*", r"\(preflight: \d+s\)$", r"pool +groups +reward +signal +status$", r"curriculum at .*",
     r"\S+ +\d+ +-?[\d.]+ +-?[\d.]+ +\w.*",  # a row of the curriculum table
     r"done: \d+ steps in \d+s; run dir \S+$",
+    r"best: val/\S+ -?\d+\.\d{3} at step \d+ (-> \S+|\(\S+\))$", r"best so far: val/\S+ .*",  # train.keep_best
+    r"stopping: val/\S+ .*", r"stopped early: val/\S+ .*",  # train.stop_at
     r"(warning|error): .+",  # the project's warnings and errors (an actor's: "warning: [grader] ...")
 )]
 
@@ -48,6 +50,8 @@ def test_project_line_formats_tell_the_projects_lines_from_an_engines():
     ours = ["run directory: /tmp/x/run", "step    2/2  reward 0.250  acc 0.250  kl 0.00e+00  stale 1  gen 8 tok/s  "
             "train 102 tok/s  [55s elapsed, ~0s left]", "held-out at step 2: pass@1 0.250  pass@2 0.500",
             "3/8  sampled held-out evaluation, step 0", "done: 2 steps in 51s; run dir /tmp/x/run",
+            "best: val/pass@1 0.062 at step 2 -> /tmp/x/run/best", "best: val/pass@1 0.062 at step 2 (/tmp/x/run/best)",
+            "stopped early: val/pass@1 0.031 >= 0 at step 2 (train.stop_at=val/pass@1>=0)",
             "warning: [grader] code sandbox: no namespace isolation available"]
     theirs = ["\x1b[36m(GeneratorActor pid=1661)\x1b[0m (MainProcess pid=1661) WARNING 11-25 19:33:45 "
               "[arg_utils.py:1945] The global random seed is set to 0.",
