@@ -11,9 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
-#: ``rollout.vllm_engine_core`` choices (prorl_async.engines.vllm.inline_engine_core)
-VLLM_ENGINE_CORES = ("auto", "inline", "process")
-
 
 @dataclass(frozen=True)
 class SamplingSpec:

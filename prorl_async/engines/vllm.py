@@ -73,7 +73,8 @@ from typing import Optional
 
 import torch
 
-from prorl_async.engines.base import VLLM_ENGINE_CORES, Completion, SamplingSpec
+from prorl_async.config import VLLM_ENGINE_CORES
+from prorl_async.engines.base import Completion, SamplingSpec
 from prorl_async.weight_sync import WeightSyncError, tensor_checksum
 from prorl_async.models import load_model, load_tokenizer, machine_dtype
 
