@@ -11,10 +11,10 @@ import torch
 from actors.replay_buffer import BatchRefs
 from prorl_async.config import actor_runtime_env
 from prorl_async.console import with_role
+from prorl_async.learners import make_learner
 from prorl_async.learners.base import Learner
 from prorl_async.learners.batch import shard_groups
 from prorl_async.learners.core import sync_device
-from prorl_async.learners.torch_learner import TorchLearner
 from prorl_async.metrics import rss_mb
 from prorl_async.weight_ipc import IpcWeightSender, device_key
 from prorl_async.weight_sync import WeightSyncGroup, free_port, tensor_checksum
@@ -50,13 +50,7 @@ class LearnerActor:
         torch.set_num_threads(cfg.train.num_threads)
         self.cfg, self.rank = cfg, rank
         device = "cuda" if cfg.train.learner_num_gpus > 0 and torch.cuda.is_available() else "cpu"
-        self.learner: Learner
-        if cfg.train.learner == "deepspeed":
-            from prorl_async.learners.deepspeed import DeepSpeedLearner
-            self.learner = DeepSpeedLearner(cfg, model_path, device=device, rank=rank, world_size=world_size,
-                                            master_addr=master[0], master_port=master[1])
-        else:
-            self.learner = TorchLearner(cfg, model_path, device=device)
+        self.learner = make_learner(cfg, model_path, device, rank, world_size, master)
         self._sync = None
 
     def ready(self) -> int:
