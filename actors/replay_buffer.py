@@ -12,7 +12,7 @@ from non-contiguous rows) are put into the object store, once, at ``take``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 import pyarrow as pa
 import ray
@@ -26,7 +26,7 @@ from prorl_async.metrics import rss_mb
 class BatchRefs:
     """A training batch by reference: ``(ObjectRef, first row, rows)`` per part, in batch order.
     Nested in an argument, the references are not resolved by Ray on the way."""
-    parts: list
+    parts: list[Source]
     num_rows: int
 
     def resolve(self) -> pa.Table:
@@ -53,7 +53,7 @@ class ReplayBufferActor:
     def __init__(self, max_staleness: int, dynamic_sampling: bool):
         self.buffer = ReplayBuffer(max_staleness, dynamic_sampling)
 
-    def put(self, batch, origin: list = ()) -> PutResult:
+    def put(self, batch: pa.RecordBatch, origin: Sequence[Any] = ()) -> PutResult:
         """``batch`` (resolved by Ray before the call, so the actor never waits for grading) and
         ``origin``: ``[its ObjectRef]`` (a list, so Ray leaves it a reference) to hand out at take."""
         return self.buffer.put(batch, origin=origin[0] if origin else None)
@@ -69,10 +69,12 @@ class ReplayBufferActor:
         """One part per run of consecutive rows of one object (a request's kept groups are usually
         one run), so a batch carries a few references, not one per group (Ray serializes and
         tracks every reference at each hop) and the learner makes a few slices, not one per group."""
-        parts, loose, row = [], [], 0  # loose: consecutive groups with no object, put once together
+        parts: list[Source] = []
+        loose: list[pa.RecordBatch] = []
+        row = 0  # loose: consecutive groups with no object, put once together
         batches = iter(table.to_batches())  # one per group, in order (Table.from_batches of the groups)
 
-        def flush():
+        def flush() -> None:
             if loose:
                 rows = pa.Table.from_batches(loose, schema=ROLLOUT_SCHEMA)
                 parts.append((ray.put(rows), 0, rows.num_rows))
@@ -93,18 +95,18 @@ class ReplayBufferActor:
         flush()
         return BatchRefs(parts, row)
 
-    def metrics(self) -> dict:
+    def metrics(self) -> dict[str, float]:
         return {**self.buffer.metrics(), "sys/rss_mb/buffer": rss_mb()}
 
-    def unconsumed(self):
+    def unconsumed(self) -> pa.Table:
         return self.buffer.unconsumed()
 
-    def restore(self, table) -> None:
+    def restore(self, table: pa.Table) -> None:
         self.buffer.restore(table)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return self.buffer.state_dict()
 
-    def load_state_dict(self, state: dict) -> int:
+    def load_state_dict(self, state: dict[str, Any]) -> int:
         self.buffer.load_state_dict(state)
         return len(self.buffer)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -37,7 +37,7 @@ from prorl_async.metrics import is_correct
 def rollout_stats(batch: pa.RecordBatch) -> dict[str, float]:
     """Sums over one graded request (the driver adds them up between learner steps)."""
     d = batch.select(["domain", "raw_reward", "reward_valid"]).to_pydict()  # token lists stay in Arrow
-    out: Counter = Counter()
+    out: defaultdict[str, float] = defaultdict(float)
     out["gen_time_s"] = float(pc.sum(batch.column("gen_time_s")).as_py() or 0.0)
     out["grade_time_s"] = float(pc.sum(batch.column("grade_time_s")).as_py() or 0.0)
     out["response_tokens"] = float(pc.sum(pc.list_value_length(batch.column("response_ids"))).as_py() or 0)
@@ -68,7 +68,7 @@ class PutResult:
     invalid_reasons: dict[str, int]  # those samples by ``grade_reason``
     size: int                        # groups waiting after this put
     stats: dict[str, float]          # :func:`rollout_stats` of the request (the driver sums them per step)
-    pools: dict[str, list]           # domain -> GROUP_COUNTS (algo/sampling.py) summed over its groups: the curriculum's input
+    pools: dict[str, list[float]]    # domain -> GROUP_COUNTS (algo/sampling.py) summed over its groups: the curriculum's input
 
 
 @dataclass(frozen=True)
@@ -86,9 +86,9 @@ class ReplayBuffer:
     def __init__(self, max_staleness: int, dynamic_sampling: bool = True):
         self.max_staleness = max_staleness
         self.dynamic_sampling = dynamic_sampling
-        self._heap: list[tuple] = []  # (version, seq, group rows, (origin, offset, length) or None)
+        self._heap: list[tuple[int, int, pa.RecordBatch, Optional[Source]]] = []  # (version, seq, group rows, where)
         self._seq = itertools.count()
-        self.counters: Counter = Counter()
+        self.counters: Counter[str] = Counter()
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -102,7 +102,7 @@ class ReplayBuffer:
             raise ValueError("replay buffer: batch does not have the rollout schema "
                              f"(got columns {batch.schema.names})")
         kept = dropped = invalid = 0
-        why = Counter()  # dropped groups by reason: invalid, all_correct, all_wrong
+        why: Counter[str] = Counter()  # dropped groups by reason: invalid, all_correct, all_wrong
         keys = pc.binary_join_element_wise(batch.column("request_id"), batch.column("prompt_id"), "/")
         keys_np = np.asarray(keys.to_pylist(), dtype=object)
         valid = np.asarray(batch.column("reward_valid").to_pylist(), dtype=bool)
@@ -112,7 +112,7 @@ class ReplayBuffer:
         invalid = int((~valid).sum())
         self.counters["samples_invalid"] += invalid
         domains = np.asarray(batch.column("domain").to_pylist(), dtype=object)
-        pools: dict[str, list] = {}  # domain -> GROUP_COUNTS summed over its groups (the curriculum's input)
+        pools: dict[str, list[float]] = {}  # domain -> GROUP_COUNTS summed over its groups (the curriculum's input)
         _, first, inverse = np.unique(keys_np, return_index=True, return_inverse=True)
         members = np.split(np.argsort(inverse, kind="stable"), np.cumsum(np.bincount(inverse))[:-1])
         for g in np.argsort(first):  # groups in arrival order
@@ -170,11 +170,11 @@ class ReplayBuffer:
         for batch in table.to_batches():
             self.put(batch)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Unconsumed rows (oldest first) and the counters, for a checkpoint."""
         return {"table": self.unconsumed(), "counters": dict(self.counters)}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Back to a checkpoint's contents: the same groups in the same order, the same counters."""
         self._heap.clear()
         table = state["table"]

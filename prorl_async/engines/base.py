@@ -59,7 +59,7 @@ class Engine(Protocol):
         update); returns the dtype the engine announces (the sender casts to it)."""
         ...
 
-    def receive_weights(self, payload: Optional[dict] = None) -> dict:
+    def receive_weights(self, payload: Optional[dict[str, Any]] = None) -> dict[str, Any]:
         """Receive one update (``payload``: the learner's ipc handles, else None): ``{"version",
         "seconds", "applied"}`` -- applied now, or staged for the next request boundary."""
         ...

@@ -23,7 +23,7 @@ class Learner(Protocol):
     device: torch.device  # where the policy's weights live
     version: int          # the policy version: learner steps done
 
-    def train_step(self, table: pa.Table, step: Optional[int] = None) -> dict:
+    def train_step(self, table: pa.Table, step: Optional[int] = None) -> dict[str, float]:
         """One update on a table in the rollout schema; returns the step's metrics."""
         ...
 
