@@ -1,19 +1,23 @@
 """What every learner implements: :class:`Learner`, the whole contract between the learner
-actor (``actors/learner.py``) and a learner.
+actor (``actors/learner.py``) and a learner, and :class:`LearnerOps`, what the update loop both
+learners share (:class:`~prorl_async.learners.core.LearnerCore`) reads and calls on its learner.
 
 :class:`~prorl_async.learners.torch_learner.TorchLearner` and
-:class:`~prorl_async.learners.deepspeed.DeepSpeedLearner` implement every member, so the actor
-never asks a learner what it can do. (What the shared update loop,
-:class:`~prorl_async.learners.core.LearnerCore`, calls on a learner is listed in that class.)
+:class:`~prorl_async.learners.deepspeed.DeepSpeedLearner` implement every member of both, so
+neither the actor nor the core asks a learner what it can do.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import pyarrow as pa
 import torch
+
+if TYPE_CHECKING:
+    from prorl_async.algo.reference import ReferenceResetPolicy
+    from prorl_async.algo.shaping import LengthPenaltySchedule
 
 
 class Learner(Protocol):
@@ -50,4 +54,53 @@ class Learner(Protocol):
 
     def load_checkpoint(self, path: str | Path) -> int:
         """Back to checkpoint directory ``path``; returns the policy version."""
+        ...
+
+
+class LearnerOps(Protocol):
+    """What :class:`~prorl_async.learners.core.LearnerCore` reads and calls on its learner: the
+    torch learner owns AdamW and clipping, the DeepSpeed learner its engine and ZeRO; the core
+    owns the update loop itself."""
+
+    device: torch.device              # where the batch's tensors go
+    autocast: bool                    # a bf16 autocast around each forward
+    compiled: bool                    # decoder layers compiled (``train.compile``; the LM head's chunks then too)
+    run_all_micro_batches: bool       # every rank runs every backward (collectives): never stop a mini-batch early
+    policy: Any                       # what the forward calls (DeepSpeed: its engine)
+    ref: Optional[torch.nn.Module]    # the frozen reference policy, None without a KL term or resets
+    pad_id: int
+    version: int                      # the policy version: learner steps done (the core advances it)
+    skipped_in_row: int               # consecutive updates not applied (the core counts them)
+    skipped_total: int
+    length_schedule: LengthPenaltySchedule
+    ref_policy: ReferenceResetPolicy
+    lr_sched: Any                     # torch's LR scheduler, stepped once per applied learner step
+
+    @property
+    def micro(self) -> int:
+        """Rows of a padded micro-batch."""
+        ...
+
+    @property
+    def refused_updates(self) -> int:
+        """Updates refused as too large (``train.max_update_ratio``) so far."""
+        ...
+
+    def reduce(self, x: torch.Tensor, op: str) -> torch.Tensor:
+        """``x`` summed (``sum``) or maxed (``max``) over the learners' ranks (one process: ``x``)."""
+        ...
+
+    def zero_grad(self) -> None:
+        ...
+
+    def backward(self, loss: torch.Tensor, last: bool) -> None:
+        """Back-propagate one micro-batch's loss; ``last``: the mini-batch's last one."""
+        ...
+
+    def finish_update(self, finite: bool) -> tuple[bool, float]:
+        """Step the optimizer after a mini-batch: ``(applied, grad_norm)``; ``finite`` false: skip it."""
+        ...
+
+    def reset_reference(self, cause: str) -> None:
+        """The reference policy to the current weights (and AdamW cleared, if configured)."""
         ...

@@ -156,6 +156,7 @@ class DeepSpeedLearner:
         self.device = torch.device(self.engine.device)
         self.autocast = (not bf16) and cfg.model.autocast_bf16 and (self.device.type == "cuda" or cpu_has_bf16())
         self.run_all_micro_batches = True  # collectives in every backward: never break out early
+        self.compiled = False  # train.compile is the torch learner's
         self.policy = self.engine
         self.core = LearnerCore(cfg, self)
         self.length_schedule, self.ref_policy = algo_state(a)
@@ -184,6 +185,10 @@ class DeepSpeedLearner:
     @property
     def micro(self) -> int:
         return self._micro
+
+    @property
+    def refused_updates(self) -> int:
+        return 0  # no update guard: DeepSpeed steps its own optimizer (train.max_update_ratio is the torch learner's)
 
     def _allreduce(self, x: torch.Tensor) -> torch.Tensor:
         return self.reduce(x, "sum")

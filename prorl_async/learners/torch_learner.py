@@ -84,6 +84,10 @@ class TorchLearner:
         self.core = LearnerCore(cfg, self)
 
     # ------------------------------------------------------------------ what the core calls
+    @property
+    def refused_updates(self) -> int:
+        return self.guard.refused_total
+
     def reduce(self, x: torch.Tensor, op: str) -> torch.Tensor:
         return x  # one process
 
