@@ -23,6 +23,7 @@ from typing import Optional
 
 import ray
 
+from prorl_async.buffer import PutResult
 from prorl_async.config import Config, config_to_dict, save_config
 from prorl_async.console import ActorWarnings, quiet_driver
 from prorl_async.curriculum import Curriculum, NoSignal
@@ -43,6 +44,7 @@ from actors.failures import (CALLED, EVALUATED, GRADER_METRICS, Count, EvaluateA
                              RunFacts, Stop)
 from actors.loop_state import (BUFFERED, GENERATED, RECEIVED, SENT, TRAINED, LoopState, Pending, Request,
                                zero_sums)
+from actors.replay_buffer import TakeRefs
 
 log = logging.getLogger("prorl_async")
 
@@ -127,18 +129,19 @@ class TrainingLoop:
         s.gen_spans.append((s.gen_started[i], now))
 
     def on_buffered(self, r: Request, ref) -> None:
-        info, s, w, k = ray.get(ref), self.s, self.s.window, len(r.rows)
+        info: PutResult = ray.get(ref)
+        s, w, k = self.s, self.s.window, len(r.rows)
         s.grader_down = False
-        s.live -= k - info["kept"]  # requested prompts that are not a kept group now (dropped, or merged:
-        s.buffered += info["kept"]   # a request across an epoch boundary can hold a prompt twice, one group)
-        for key, v in info["stats"].items():
+        s.live -= k - info.kept  # requested prompts that are not a kept group now (dropped, or merged:
+        s.buffered += info.kept   # a request across an epoch boundary can hold a prompt twice, one group)
+        for key, v in info.stats.items():
             w[key] += v
-        for reason, count in info["invalid_reasons"].items():  # cumulative, and since the last step
+        for reason, count in info.invalid_reasons.items():  # cumulative, and since the last step
             s.invalid_by_reason[reason.split(":")[0]] += count
             w[f"invalid_reason/{reason}"] += count
-        s.busy_s["grade"] += info["stats"].get("grade_time_s", 0.0)
+        s.busy_s["grade"] += info.stats.get("grade_time_s", 0.0)
         if isinstance(self.source, Curriculum):  # pools held back or re-admitted by their signal
-            for line in self.source.observe(info["pools"], s.version):
+            for line in self.source.observe(info.pools, s.version):
                 print(line, flush=True)
         if why := self.refill.observe(info, s.version, time.time()):  # groups dropped by dynamic sampling
             raise RunError(why)  # refilled algo.max_refill_rounds times without a full batch
@@ -156,16 +159,16 @@ class TrainingLoop:
             return
         if (self.cfg.train.keep_best or self.stop_rule) and self.eval_due():
             return  # the learner keeps the evaluated weights (best/) and the stop lands on this step
-        info = ray.get(self.actors.buffer.take.remote(s.version, G))  # counts, and a reference to the table
-        s.buffered -= info["taken"] + info["stale_dropped"]
-        s.live -= info["taken"] + info["stale_dropped"]
-        if info["table"] is None:
+        info: TakeRefs = ray.get(self.actors.buffer.take.remote(s.version, G))  # counts, and the batch by reference
+        s.buffered -= info.taken + info.stale_dropped
+        s.live -= info.taken + info.stale_dropped
+        if info.batch is None:
             return
-        s.consumed += info["taken"]
-        s.trained_groups.append(info["groups"])
+        s.consumed += info.taken
+        s.trained_groups.append(info.groups)
         # by reference (actors.replay_buffer.BatchRefs): the rows stay in the objects the graded
         # requests were put in; the learner maps them (neither this process nor a LearnerGroup does)
-        s.training = self.actors.learner.train_step.remote(info["table"], s.version)
+        s.training = self.actors.learner.train_step.remote(info.batch, s.version)
         s.train_started = time.time()
         s.pending[s.training] = Pending(TRAINED)
 

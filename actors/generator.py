@@ -19,7 +19,7 @@ import ray
 import torch
 
 from prorl_async.data.schema import rollout_batch
-from prorl_async.engines import SamplingSpec, make_engine
+from prorl_async.engines import Engine, SamplingSpec, make_engine
 from prorl_async.engines.prompts import encode_prompt
 from prorl_async.engines.vllm import inline_engine_core
 from prorl_async.metrics import rss_mb
@@ -33,11 +33,11 @@ class GeneratorActor:
         r = cfg.rollout
         on_gpu = r.generator_num_gpus > 0
         extra = {"in_process": inline_engine_core(r.vllm_engine_core, on_gpu)} if r.engine == "vllm" else {}
-        self.engine = make_engine(r.engine, model_path, dtype=cfg.model.dtype, seed=r.seed * 7919 + index,
-                                  tensor_parallel_size=r.tensor_parallel_size,
-                                  inflight_weight_updates=r.inflight_weight_updates,
-                                  gpu_memory_utilization=r.gpu_memory_utilization,
-                                  device="cuda" if on_gpu else "cpu", **extra)  # the GPU Ray reserved
+        self.engine: Engine = make_engine(r.engine, model_path, dtype=cfg.model.dtype, seed=r.seed * 7919 + index,
+                                          tensor_parallel_size=r.tensor_parallel_size,
+                                          inflight_weight_updates=r.inflight_weight_updates,
+                                          gpu_memory_utilization=r.gpu_memory_utilization,
+                                          device="cuda" if on_gpu else "cpu", **extra)  # the GPU Ray reserved
         self.tokenizer = self.engine.tokenizer
         self._requests = 0
 
@@ -75,8 +75,7 @@ class GeneratorActor:
         return self.engine.weights_checksum()
 
     def abort(self) -> None:
-        if hasattr(self.engine, "abort"):
-            self.engine.abort()
+        self.engine.abort()
 
     # ------------------------------------------------------------------ generation
     def generate(self, rows: list[dict], n: int, seed: int, greedy: bool = False, temperature: float = 0.0):

@@ -11,10 +11,10 @@ import torch
 from actors.replay_buffer import BatchRefs
 from prorl_async.config import actor_runtime_env
 from prorl_async.console import with_role
+from prorl_async.learners import make_learner
+from prorl_async.learners.base import Learner
 from prorl_async.learners.batch import shard_groups
 from prorl_async.learners.core import sync_device
-from prorl_async.learners.files import load_learner, write_learner
-from prorl_async.learners.torch_learner import TorchLearner
 from prorl_async.metrics import rss_mb
 from prorl_async.weight_ipc import IpcWeightSender, device_key
 from prorl_async.weight_sync import WeightSyncGroup, free_port, tensor_checksum
@@ -28,12 +28,9 @@ def local_ip() -> str:
         return "127.0.0.1"
 
 
-def optimizer_state_size(learner) -> float:
+def optimizer_state_size(learner: Learner) -> float:
     """Parameters holding optimizer state (AdamW moments): 0 right after a reset that cleared it."""
-    opt = learner.opt
-    while not isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "optimizer"):  # DeepSpeed's wrappers
-        opt = opt.optimizer
-    return float(len(opt.state)) if isinstance(opt, torch.optim.Optimizer) else float("nan")
+    return float(len(learner.base_optimizer().state))
 
 
 def resolve_batch(batch):
@@ -53,12 +50,7 @@ class LearnerActor:
         torch.set_num_threads(cfg.train.num_threads)
         self.cfg, self.rank = cfg, rank
         device = "cuda" if cfg.train.learner_num_gpus > 0 and torch.cuda.is_available() else "cpu"
-        if cfg.train.learner == "deepspeed":
-            from prorl_async.learners.deepspeed import DeepSpeedLearner
-            self.learner = DeepSpeedLearner(cfg, model_path, device=device, rank=rank, world_size=world_size,
-                                            master_addr=master[0], master_port=master[1])
-        else:
-            self.learner = TorchLearner(cfg, model_path, device=device)
+        self.learner = make_learner(cfg, model_path, device, rank, world_size, master)
         self._sync = None
 
     def ready(self) -> int:
@@ -117,19 +109,16 @@ class LearnerActor:
                 "actor/optimizer_state_params": optimizer_state_size(self.learner)} if cause else {}
 
     def save_model(self, path: str) -> str:
-        if hasattr(self.learner, "save_model"):
-            return self.learner.save_model(path)
-        self.learner.model.save_pretrained(path)
-        return path
+        return self.learner.save_model(path)
 
     def save_checkpoint(self, path: str, tokenizer_path: str = "") -> str:
         """Learner state into a checkpoint directory being written (prorl_async.learners.files)."""
-        write_learner(self.learner, path, tokenizer_path)
+        self.learner.save_checkpoint(path, tokenizer_path)
         return path
 
     def load_checkpoint(self, path: str) -> int:
         """Restore the learner from a checkpoint directory; returns its policy version."""
-        return load_learner(self.learner, path)
+        return self.learner.load_checkpoint(path)
 
 
 _SAME_ON_EVERY_RANK = {"actor/grad_norm", "actor/lr", "actor/updates", "actor/skipped_updates",

@@ -11,12 +11,13 @@ from non-contiguous rows) are put into the object store, once, at ``take``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
 
 import pyarrow as pa
 import ray
 
-from prorl_async.buffer import ReplayBuffer
+from prorl_async.buffer import PutResult, ReplayBuffer, Source
 from prorl_async.data.schema import ROLLOUT_SCHEMA
 from prorl_async.metrics import rss_mb
 
@@ -25,7 +26,7 @@ from prorl_async.metrics import rss_mb
 class BatchRefs:
     """A training batch by reference: ``(ObjectRef, first row, rows)`` per part, in batch order.
     Nested in an argument, the references are not resolved by Ray on the way."""
-    parts: list
+    parts: list[Source]
     num_rows: int
 
     def resolve(self) -> pa.Table:
@@ -36,32 +37,44 @@ class BatchRefs:
                                      schema=ROLLOUT_SCHEMA)
 
 
+@dataclass(frozen=True)
+class TakeRefs:
+    """:meth:`ReplayBufferActor.take`'s answer: the counts of
+    :class:`~prorl_async.buffer.TakeResult`, and the batch by reference."""
+    batch: Optional[BatchRefs]   # the groups' rows where they live; None: too few groups
+    taken: int                   # groups in ``batch`` (0 without one)
+    stale_dropped: int           # groups dropped as too old for the learner's version by this take
+    size: int                    # groups still waiting
+    groups: list[str] = field(default_factory=list)  # ``request_id/prompt_id`` of each group taken
+
+
 @ray.remote
 class ReplayBufferActor:
     def __init__(self, max_staleness: int, dynamic_sampling: bool):
         self.buffer = ReplayBuffer(max_staleness, dynamic_sampling)
 
-    def put(self, batch, origin: list = ()) -> dict:
+    def put(self, batch: pa.RecordBatch, origin: Sequence[Any] = ()) -> PutResult:
         """``batch`` (resolved by Ray before the call, so the actor never waits for grading) and
         ``origin``: ``[its ObjectRef]`` (a list, so Ray leaves it a reference) to hand out at take."""
         return self.buffer.put(batch, origin=origin[0] if origin else None)
 
-    def take(self, learner_version: int, num_groups: int) -> dict:
-        """A small dict of counts, with ``table``: :class:`BatchRefs` of the batch, or None."""
-        table, info = self.buffer.take(learner_version, num_groups)
-        sources = info.pop("sources", None)
-        info["table"] = None if table is None else self._refs(table, sources)
-        return info
+    def take(self, learner_version: int, num_groups: int) -> TakeRefs:
+        """A few counts, and the batch as :class:`BatchRefs` (None when too few groups wait)."""
+        took = self.buffer.take(learner_version, num_groups)
+        return TakeRefs(batch=None if took.table is None else self._refs(took.table, took.sources), taken=took.taken,
+                        stale_dropped=took.stale_dropped, size=took.size, groups=took.groups)
 
     @staticmethod
-    def _refs(table: pa.Table, sources: list) -> BatchRefs:
+    def _refs(table: pa.Table, sources: list[Optional[Source]]) -> BatchRefs:
         """One part per run of consecutive rows of one object (a request's kept groups are usually
         one run), so a batch carries a few references, not one per group (Ray serializes and
         tracks every reference at each hop) and the learner makes a few slices, not one per group."""
-        parts, loose, row = [], [], 0  # loose: consecutive groups with no object, put once together
+        parts: list[Source] = []
+        loose: list[pa.RecordBatch] = []
+        row = 0  # loose: consecutive groups with no object, put once together
         batches = iter(table.to_batches())  # one per group, in order (Table.from_batches of the groups)
 
-        def flush():
+        def flush() -> None:
             if loose:
                 rows = pa.Table.from_batches(loose, schema=ROLLOUT_SCHEMA)
                 parts.append((ray.put(rows), 0, rows.num_rows))
@@ -82,18 +95,18 @@ class ReplayBufferActor:
         flush()
         return BatchRefs(parts, row)
 
-    def metrics(self) -> dict:
+    def metrics(self) -> dict[str, float]:
         return {**self.buffer.metrics(), "sys/rss_mb/buffer": rss_mb()}
 
-    def unconsumed(self):
+    def unconsumed(self) -> pa.Table:
         return self.buffer.unconsumed()
 
-    def restore(self, table) -> None:
+    def restore(self, table: pa.Table) -> None:
         self.buffer.restore(table)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return self.buffer.state_dict()
 
-    def load_state_dict(self, state: dict) -> int:
+    def load_state_dict(self, state: dict[str, Any]) -> int:
         self.buffer.load_state_dict(state)
         return len(self.buffer)

@@ -123,9 +123,9 @@ def bench_ray(batches, groups_per_take: int) -> dict:
     t0 = time.perf_counter()
     while True:
         info = ray.get(actor.take.remote(0, groups_per_take))
-        if info["table"] is None:
+        if info.batch is None:
             break
-        t = info["table"].resolve()  # BatchRefs: map the objects the rows live in, slice them
+        t = info.batch.resolve()  # BatchRefs: map the objects the rows live in, slice them
         taken_rows += t.num_rows
         taken_bytes += t.nbytes
         del t, info

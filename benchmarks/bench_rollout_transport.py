@@ -85,13 +85,13 @@ def run_paths(args) -> tuple[list[dict], int]:
     def by_reference():
         info = ray.get(buffer.take.remote(0, args.groups))
         taken = time.time()
-        return {**ray.get(learner.train_step.remote(info["table"], 0)), "taken_at": taken}
+        return {**ray.get(learner.train_step.remote(info.batch, 0)), "taken_at": taken}
 
     def through_driver():
         info = ray.get(buffer.take.remote(0, args.groups))
-        return ray.get(learner.train_step.remote(info["table"].resolve(), 0))
+        return ray.get(learner.train_step.remote(info.batch.resolve(), 0))
 
-    one = ray.get(buffer.take.remote(0, args.groups))["table"].resolve().combine_chunks()  # for put_get
+    one = ray.get(buffer.take.remote(0, args.groups)).batch.resolve().combine_chunks()  # for put_get
 
     def put_get():
         return ray.get(learner.train_step.remote(BatchRefs([(ray.put(one), 0, one.num_rows)], one.num_rows), 0))
@@ -127,7 +127,7 @@ def run_paths(args) -> tuple[list[dict], int]:
     t0, in_flight, answers = time.perf_counter(), [], []
     for _ in range(args.repeats):
         info = ray.get(buffer.take.remote(0, args.groups))
-        in_flight.append(learner.train_step.remote(info["table"], 0))
+        in_flight.append(learner.train_step.remote(info.batch, 0))
         if len(in_flight) == 2:
             answers.append(ray.get(in_flight.pop(0)))
     answers += ray.get(in_flight)

@@ -168,13 +168,14 @@ def simulate(num_gen: int, max_staleness: int, a, rng_seed: int) -> Result:
         nonlocal stale_dropped, trained_samples
         if training or buffered < G or version + training >= a.steps:
             return
-        table, info = buffer.take(version, G)
-        buffered -= info["taken"] + info["stale_dropped"]
-        live -= info["taken"] + info["stale_dropped"]
-        stale_dropped += info["stale_dropped"]
+        info = buffer.take(version, G)
+        table = info.table
+        buffered -= info.taken + info.stale_dropped
+        live -= info.taken + info.stale_dropped
+        stale_dropped += info.stale_dropped
         if table is None:
             return
-        consumed += info["taken"]
+        consumed += info.taken
         pol = table.column("policy_version").to_numpy()
         st = version - pol
         stale_sum += float(st.sum())
@@ -197,8 +198,8 @@ def simulate(num_gen: int, max_staleness: int, a, rng_seed: int) -> Result:
             i, batch = payload
             gen_busy[i] = False
             info = buffer.put(batch)
-            live -= info["dropped"]
-            buffered += info["kept"]
+            live -= info.dropped
+            buffered += info.kept
         elif kind == "trained":  # _on_trained: version up, broadcast occupies the learner
             training = False
             version += 1

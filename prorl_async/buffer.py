@@ -11,14 +11,19 @@ FIFO order of policy version. ``take(learner_version, k)`` hands out the ``k`` o
 whose version satisfies ``learner_version - policy_version <= max_staleness`` — the hard
 guarantee behind the driver's admission control; a group that is already too old is dropped
 and counted (``async/stale_dropped``; admission control keeps this at zero in normal runs).
+
+What the two calls answer: :class:`PutResult` (``put``) and :class:`TakeResult` (``take``),
+frozen dataclasses; the actor's ``take`` answers :class:`actors.replay_buffer.TakeRefs`, the
+same counts with the batch by reference.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections import Counter
-from typing import Optional
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -32,7 +37,7 @@ from prorl_async.metrics import is_correct
 def rollout_stats(batch: pa.RecordBatch) -> dict[str, float]:
     """Sums over one graded request (the driver adds them up between learner steps)."""
     d = batch.select(["domain", "raw_reward", "reward_valid"]).to_pydict()  # token lists stay in Arrow
-    out: Counter = Counter()
+    out: defaultdict[str, float] = defaultdict(float)
     out["gen_time_s"] = float(pc.sum(batch.column("gen_time_s")).as_py() or 0.0)
     out["grade_time_s"] = float(pc.sum(batch.column("grade_time_s")).as_py() or 0.0)
     out["response_tokens"] = float(pc.sum(pc.list_value_length(batch.column("response_ids"))).as_py() or 0)
@@ -49,18 +54,46 @@ def rollout_stats(batch: pa.RecordBatch) -> dict[str, float]:
     return {k: float(v) for k, v in out.items()}
 
 
+#: where a group's rows live: ``(origin, first row, rows)``, ``origin`` as handed to ``put``
+Source = tuple[Any, int, int]
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """What one graded request did to the buffer (:meth:`ReplayBuffer.put`)."""
+    kept: int                        # groups kept: they wait for the learner
+    dropped: int                     # groups dropped (the sum of ``dropped_by``)
+    dropped_by: dict[str, int]       # dropped groups by reason: invalid (< 2 valid samples), all_correct, all_wrong
+    invalid_samples: int             # samples the grader could not grade (masked, never scored 0)
+    invalid_reasons: dict[str, int]  # those samples by ``grade_reason``
+    size: int                        # groups waiting after this put
+    stats: dict[str, float]          # :func:`rollout_stats` of the request (the driver sums them per step)
+    pools: dict[str, list[float]]    # domain -> GROUP_COUNTS (algo/sampling.py) summed over its groups: the curriculum's input
+
+
+@dataclass(frozen=True)
+class TakeResult:
+    """A batch for the learner, or why there is none (:meth:`ReplayBuffer.take`)."""
+    table: Optional[pa.Table]        # the groups' rows, one record batch per group, in order; None: too few groups
+    taken: int                       # groups in ``table`` (0 without one)
+    stale_dropped: int               # groups dropped as too old for the learner's version by this take
+    size: int                        # groups still waiting
+    groups: list[str] = field(default_factory=list)  # ``request_id/prompt_id`` of each group taken
+    sources: list[Optional[Source]] = field(default_factory=list)  # per group: where its rows live, or None
+
+
 class ReplayBuffer:
     def __init__(self, max_staleness: int, dynamic_sampling: bool = True):
         self.max_staleness = max_staleness
         self.dynamic_sampling = dynamic_sampling
-        self._heap: list[tuple] = []  # (version, seq, group rows, (origin, offset, length) or None)
+        self._heap: list[tuple[int, int, pa.RecordBatch, Optional[Source]]] = []  # (version, seq, group rows, where)
         self._seq = itertools.count()
-        self.counters: Counter = Counter()
+        self.counters: Counter[str] = Counter()
 
     def __len__(self) -> int:
         return len(self._heap)
 
-    def put(self, batch: pa.RecordBatch, origin=None) -> dict:
+    def put(self, batch: pa.RecordBatch, origin: Any = None) -> PutResult:
         """Add one graded request; returns what was kept and dropped. ``origin``: an opaque
         handle of where ``batch`` lives (the actor passes its object reference); a group that is
         a contiguous run of its rows is remembered as ``(origin, offset, length)`` and
@@ -69,7 +102,7 @@ class ReplayBuffer:
             raise ValueError("replay buffer: batch does not have the rollout schema "
                              f"(got columns {batch.schema.names})")
         kept = dropped = invalid = 0
-        why = Counter()  # dropped groups by reason: invalid, all_correct, all_wrong
+        why: Counter[str] = Counter()  # dropped groups by reason: invalid, all_correct, all_wrong
         keys = pc.binary_join_element_wise(batch.column("request_id"), batch.column("prompt_id"), "/")
         keys_np = np.asarray(keys.to_pylist(), dtype=object)
         valid = np.asarray(batch.column("reward_valid").to_pylist(), dtype=bool)
@@ -79,7 +112,7 @@ class ReplayBuffer:
         invalid = int((~valid).sum())
         self.counters["samples_invalid"] += invalid
         domains = np.asarray(batch.column("domain").to_pylist(), dtype=object)
-        pools: dict = {}  # domain -> GROUP_COUNTS summed over its groups (the curriculum's input)
+        pools: dict[str, list[float]] = {}  # domain -> GROUP_COUNTS summed over its groups (the curriculum's input)
         _, first, inverse = np.unique(keys_np, return_index=True, return_inverse=True)
         members = np.split(np.argsort(inverse, kind="stable"), np.cumsum(np.bincount(inverse))[:-1])
         for g in np.argsort(first):  # groups in arrival order
@@ -107,26 +140,27 @@ class ReplayBuffer:
             heapq.heappush(self._heap, (int(versions[good].min()), next(self._seq), rows, where))
             self.counters["groups_kept"] += 1
             kept += 1
-        return {"kept": kept, "dropped": dropped, "dropped_by": dict(why), "invalid_samples": invalid, "size": len(self._heap),
-                "invalid_reasons": dict(Counter(np.asarray(batch.column("grade_reason").to_pylist())[~valid].tolist())),
-                "stats": rollout_stats(batch), "pools": pools}
+        return PutResult(
+            kept=kept, dropped=dropped, dropped_by=dict(why), invalid_samples=invalid,
+            invalid_reasons=dict(Counter(np.asarray(batch.column("grade_reason").to_pylist())[~valid].tolist())),
+            size=len(self._heap), stats=rollout_stats(batch), pools=pools)
 
-    def take(self, learner_version: int, num_groups: int) -> tuple[Optional[pa.Table], dict]:
-        """The ``num_groups`` oldest admissible groups as one Table, or None if too few.
-        ``info["sources"]``: per group, ``(origin, offset, length)`` as given to :meth:`put`, or None."""
+    def take(self, learner_version: int, num_groups: int) -> TakeResult:
+        """The ``num_groups`` oldest admissible groups as one Table, or no table if too few.
+        ``sources``: per group, ``(origin, offset, length)`` as given to :meth:`put`, or None."""
         stale = 0
         while self._heap and learner_version - self._heap[0][0] > self.max_staleness:
             heapq.heappop(self._heap)
             stale += 1
         self.counters["groups_stale_dropped"] += stale
         if len(self._heap) < num_groups:
-            return None, {"stale_dropped": stale, "taken": 0, "size": len(self._heap)}
+            return TakeResult(table=None, taken=0, stale_dropped=stale, size=len(self._heap))
         groups = [heapq.heappop(self._heap) for _ in range(num_groups)]
         table = pa.Table.from_batches([g[2] for g in groups], schema=ROLLOUT_SCHEMA)
         self.counters["groups_taken"] += num_groups
         keys = [f"{g[2].column('request_id')[0].as_py()}/{g[2].column('prompt_id')[0].as_py()}" for g in groups]
-        return table, {"stale_dropped": stale, "taken": num_groups, "size": len(self._heap), "groups": keys,
-                       "sources": [g[3] for g in groups]}
+        return TakeResult(table=table, taken=num_groups, stale_dropped=stale, size=len(self._heap), groups=keys,
+                          sources=[g[3] for g in groups])
 
     def unconsumed(self) -> pa.Table:
         """Everything still waiting (for checkpoints and Parquet spills), oldest first."""
@@ -136,11 +170,11 @@ class ReplayBuffer:
         for batch in table.to_batches():
             self.put(batch)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Unconsumed rows (oldest first) and the counters, for a checkpoint."""
         return {"table": self.unconsumed(), "counters": dict(self.counters)}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Back to a checkpoint's contents: the same groups in the same order, the same counters."""
         self._heap.clear()
         table = state["table"]

@@ -5,12 +5,15 @@ prints them. ``load_config`` builds a :class:`Config` from an optional YAML file
 ``section.field=value`` overrides and validates it, raising :class:`ConfigError` with a
 message that names the field and the fix. The resolved config is written to every run
 directory (``config.yaml``) and checkpoint.
+
+A leaf: imports nothing of the engines, models, learners, data or rewards. ``auto`` settings
+resolve against :class:`~prorl_async.machine.MachineFacts` that the caller probes
+(:func:`resolve_auto`; :func:`load_config` probes them when not given).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,7 +23,7 @@ from typing import Any, Optional
 import yaml
 
 from prorl_async.algo import ADVANTAGE_ESTIMATORS, IS_MODES, KL_KINDS, OVERLONG_MODES
-from prorl_async.engines.base import VLLM_ENGINE_CORES
+from prorl_async.machine import MachineFacts, probe_machine
 from prorl_async.selection import MODES as KEEP_BEST_MODES, check_metric, parse_stop_at
 
 #: ``train.compile`` (prorl_async.learners.compile)
@@ -28,6 +31,8 @@ COMPILE_CHOICES = ("auto", "always", "never")
 #: ``train.reuse_freed_memory`` (prorl_async.learners.host_memory)
 REUSE_FREED_MEMORY_CHOICES = ("auto", "always", "never")
 OMP_WAIT_POLICIES = ("auto", "passive", "active", "keep")
+#: ``rollout.vllm_engine_core`` (prorl_async.engines.vllm.inline_engine_core)
+VLLM_ENGINE_CORES = ("auto", "inline", "process")
 
 
 class ConfigError(ValueError):
@@ -299,8 +304,10 @@ def config_to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> Config:
-    """YAML file (optional) + dotted overrides -> validated :class:`Config`."""
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None,
+                machine: Optional[MachineFacts] = None) -> Config:
+    """YAML file (optional) + dotted overrides -> validated :class:`Config`, its ``auto``
+    settings resolved for ``machine`` (default: this process's, probed here)."""
     data: dict = {}
     if path:
         p = Path(path)
@@ -322,23 +329,27 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
         node[keys[-1]] = value
     cfg = _build(Config, data)
     validate(cfg)
-    return resolve_auto(cfg)
+    return resolve_auto(cfg, machine or probe_machine(bf16=cfg.model.dtype == "auto"))
 
 
-def resolve_auto(cfg: Config) -> Config:
-    """``model.dtype: auto`` -> the dtype that fits this machine (:func:`prorl_async.models.resolve_dtype`),
+def resolve_auto(cfg: Config, machine: MachineFacts) -> Config:
+    """``model.dtype: auto`` -> bfloat16 where ``machine`` computes bf16 natively (a CUDA GPU, or
+    a CPU with AMX / AVX-512 bf16), else float32 (the rule of :func:`prorl_async.models.resolve_dtype`),
     so that the engines and the learner (and the saved config) see one concrete dtype;
     ``ray.omp_wait_policy: auto`` -> :func:`machine_omp_wait_policy`."""
     if cfg.model.dtype == "auto":
-        from prorl_async.models import machine_dtype
-
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=machine_dtype("auto")))
+        if machine.bf16 is None:
+            raise ValueError("model.dtype=auto: the machine facts lack bf16; probe them with "
+                             "prorl_async.machine.probe_machine(bf16=True)")
+        dtype = "bfloat16" if machine.bf16 else "float32"
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype))
     if cfg.ray.omp_wait_policy == "auto":
-        cfg = dataclasses.replace(cfg, ray=dataclasses.replace(cfg.ray, omp_wait_policy=machine_omp_wait_policy(cfg)))
+        policy = machine_omp_wait_policy(cfg, machine)
+        cfg = dataclasses.replace(cfg, ray=dataclasses.replace(cfg.ray, omp_wait_policy=policy))
     return cfg
 
 
-def machine_omp_wait_policy(cfg: Config) -> str:
+def machine_omp_wait_policy(cfg: Config, machine: MachineFacts) -> str:
     """``passive`` when the torch threads of the run's CPU actors (learners, generators) together
     outnumber this machine's CPUs, else ``keep``; ``keep`` too when ``OMP_WAIT_POLICY`` is set.
 
@@ -346,12 +357,12 @@ def machine_omp_wait_policy(cfg: Config) -> str:
     throttles that when one process has more threads than CPUs; it cannot see the other actors.
     A learner and a generator of 2 threads each on 2 cores would spin on the cores the other
     one's threads need, at every parallel region."""
-    if "OMP_WAIT_POLICY" in os.environ:
+    if machine.omp_wait_policy_set:
         return "keep"
     t, r = cfg.train, cfg.rollout
     threads = (t.num_threads * t.num_learners if t.learner_num_gpus == 0 else 0) + \
         (r.num_generators * (r.num_threads or t.num_threads) if r.generator_num_gpus == 0 else 0)
-    return "passive" if threads > len(os.sched_getaffinity(0)) else "keep"
+    return "passive" if threads > machine.cpus else "keep"
 
 
 def actor_runtime_env(cfg: Config) -> dict:
@@ -359,7 +370,7 @@ def actor_runtime_env(cfg: Config) -> dict:
     (set before the process starts: libgomp reads it when torch loads), or nothing for ``keep``."""
     policy = cfg.ray.omp_wait_policy
     if policy == "auto":
-        policy = machine_omp_wait_policy(cfg)
+        policy = machine_omp_wait_policy(cfg, probe_machine(bf16=False))
     if policy == "keep":
         return {}
     return {"runtime_env": {"env_vars": {"OMP_WAIT_POLICY": policy.upper()}}}

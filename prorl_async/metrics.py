@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from typing import Iterable
+from typing import Any, Iterable
 
 CORRECT_TOL = 1e-6
 
 
-def is_correct(reward):
+def is_correct(reward: Any) -> Any:
     """True where ``reward`` (a float, numpy array or torch tensor of verifier rewards) is 1."""
     return reward >= 1.0 - CORRECT_TOL
 

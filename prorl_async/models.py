@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from prorl_async.console import bar
+from prorl_async.machine import BF16_CPU_FLAGS, cpu_flags
 
 BUILTIN_PREFIX = "builtin:"
 CHARS = list("0123456789+-*=() ")
@@ -41,21 +42,6 @@ SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
 def default_cache_dir(cfg_dir: str = "") -> Path:
     return Path(cfg_dir or os.environ.get("PRORL_ASYNC_CACHE") or Path.home() / ".cache" / "prorl-async")
-
-
-def cpu_flags() -> set[str]:
-    """The ``flags`` of the first CPU in /proc/cpuinfo (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
 def resolve_dtype(requested: str, device: str, flags: set[str] | frozenset = frozenset()) -> str:

@@ -22,7 +22,10 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
+
+if TYPE_CHECKING:
+    from prorl_async.buffer import PutResult
 
 REPORT_EVERY_S = 20.0
 
@@ -44,11 +47,11 @@ class RefillWatch:
     def rounds(self) -> int:
         return sum(self.dropped.values()) // max(self.prompts_per_step, 1)
 
-    def observe(self, info: dict, step: int, now: float) -> Optional[str]:
+    def observe(self, info: PutResult, step: int, now: float) -> Optional[str]:
         """One graded request as the buffer answered it (``kept``, ``dropped_by``); says how the
         refills go (:meth:`report`) and returns the error that must stop the run, if any."""
-        self.kept += int(info.get("kept", 0))
-        self.dropped.update({k: int(v) for k, v in info.get("dropped_by", {}).items()})
+        self.kept += int(info.kept)
+        self.dropped.update({k: int(v) for k, v in info.dropped_by.items()})
         if line := self.report(step, now):
             self.say(line)
         return self.exhausted(step, now)

@@ -32,21 +32,22 @@ def test_put_keeps_informative_groups_and_drops_the_rest():
         "one_valid": [(1, True), (0, False), (0, False)],      # fewer than two gradable samples
         "mixed_with_invalid": [(1, True), (0, True), (0, False)],
     }))
-    assert info["kept"] == 2 and info["dropped"] == 3 and info["invalid_samples"] == 3
-    assert info["invalid_reasons"] == {"timeout": 3}
-    assert info["dropped_by"] == {"all_correct": 1, "all_wrong": 1, "invalid": 1}  # what the refill watch counts
+    assert info.kept == 2 and info.dropped == 3 and info.invalid_samples == 3
+    assert info.invalid_reasons == {"timeout": 3}
+    assert info.dropped_by == {"all_correct": 1, "all_wrong": 1, "invalid": 1}  # what the refill watch counts
     m = buf.metrics()
     assert m["sampling/groups_dropped_all_correct"] == 1 and m["sampling/groups_dropped_all_wrong"] == 1
     assert m["sampling/groups_dropped_invalid"] == 1
-    table, taken = buf.take(learner_version=0, num_groups=2)
-    assert taken["groups"] == ["r1/mixed", "r1/mixed_with_invalid"]
+    taken = buf.take(learner_version=0, num_groups=2)
+    table = taken.table
+    assert taken.groups == ["r1/mixed", "r1/mixed_with_invalid"]
     # the invalid sample is not handed to the learner
     assert table.num_rows == 5 and all(table.column("reward_valid").to_pylist())
 
 
 def test_without_dynamic_sampling_uniform_groups_are_kept():
     buf = ReplayBuffer(max_staleness=0, dynamic_sampling=False)
-    assert buf.put(request("r", 0, {"a": [(1, True), (1, True)]}))["kept"] == 1
+    assert buf.put(request("r", 0, {"a": [(1, True), (1, True)]})).kept == 1
 
 
 def test_take_is_oldest_first_and_enforces_the_staleness_bound():
@@ -55,11 +56,12 @@ def test_take_is_oldest_first_and_enforces_the_staleness_bound():
     buf.put(request("old", 1, {"q": [(1, True), (0, True)]}))
     buf.put(request("mid", 2, {"s": [(1, True), (0, True)]}))
     # learner at version 3: version 1 is 2 behind (> max_staleness=1) and is dropped, counted
-    table, info = buf.take(learner_version=3, num_groups=2)
-    assert info["stale_dropped"] == 1 and info["groups"] == ["mid/s", "new/p"]
+    info = buf.take(learner_version=3, num_groups=2)
+    table = info.table
+    assert info.stale_dropped == 1 and info.groups == ["mid/s", "new/p"]
     assert set(table.column("policy_version").to_pylist()) == {2, 3}
     assert buf.metrics()["async/stale_dropped"] == 1
-    assert buf.take(3, 1)[0] is None  # empty: nothing handed out
+    assert buf.take(3, 1).table is None  # empty: nothing handed out
 
 
 def test_interleaved_group_rows_are_gathered():
@@ -72,8 +74,8 @@ def test_interleaved_group_rows_are_gathered():
     inter = inter.set_column(inter.schema.get_field_index("raw_reward"), "raw_reward",
                              pa.array([1.0, 0.0, 0.0, 1.0], pa.float32()))
     buf = ReplayBuffer(max_staleness=0)
-    assert buf.put(inter)["kept"] == 2
-    table, _ = buf.take(0, 2)
+    assert buf.put(inter).kept == 2
+    table = buf.take(0, 2).table
     assert table.column("sample_id").to_pylist() == ["s0", "s2", "s1", "s3"]
     assert pc.sum(table.column("raw_reward")).as_py() == 2.0
 
@@ -94,7 +96,7 @@ def test_unconsumed_rows_survive_a_restore():
     a.put(request("r", 0, {"p": [(1, True), (0, True)], "q": [(0, True), (1, True)]}))
     b = ReplayBuffer(max_staleness=1)
     b.restore(a.unconsumed())
-    assert len(b) == 2 and b.take(0, 2)[1]["groups"] == a.take(0, 2)[1]["groups"]
+    assert len(b) == 2 and b.take(0, 2).groups == a.take(0, 2).groups
 
 
 def _spanning(req: str, oldest: list[int], newest: list[int]) -> pa.RecordBatch:
@@ -111,8 +113,9 @@ def test_staleness_is_accounted_by_the_oldest_version_in_a_response():
     for learner_version, taken in ((2, 1), (3, 0)):
         buf = ReplayBuffer(max_staleness=1)
         buf.put(_spanning("r", oldest=[1, 2, 2], newest=[3, 3, 2]))
-        table, info = buf.take(learner_version, 1)
-        assert info["taken"] == taken and info["stale_dropped"] == 1 - taken, (learner_version, info)
+        info = buf.take(learner_version, 1)
+        table = info.table
+        assert info.taken == taken and info.stale_dropped == 1 - taken, (learner_version, info)
         if taken:
             assert table.column("policy_version").to_pylist() == [1, 2, 2]
             assert table.column("policy_version_end").to_pylist() == [3, 3, 2]
@@ -123,5 +126,6 @@ def test_a_checkpoint_without_policy_version_end_restores():
     old = pa.Table.from_batches([request("r", 4, {"p": [(1, True), (0, True)]})]).drop_columns(["policy_version_end"])
     buf = ReplayBuffer(max_staleness=1)
     buf.load_state_dict({"table": old, "counters": {}})
-    table, info = buf.take(4, 1)
-    assert info["taken"] == 1 and table.column("policy_version_end").to_pylist() == [4, 4]
+    info = buf.take(4, 1)
+    table = info.table
+    assert info.taken == 1 and table.column("policy_version_end").to_pylist() == [4, 4]

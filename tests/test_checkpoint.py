@@ -32,7 +32,7 @@ import pytest
 
 from prorl_async import checkpoint
 from prorl_async.checkpoint import CheckpointError
-from prorl_async.learners.files import read_learner, write_learner
+from prorl_async.learners.files import read_learner
 from tests.conftest import ROOT, cli
 
 
@@ -155,7 +155,7 @@ def test_torch_learner_state_dict_resumes_exactly(tmp_path, tiny_model):
     t1, t2 = graded_table(groups=4, n=4, seed=1), graded_table(groups=4, n=4, seed=2)
     straight = TorchLearner(cfg, tiny_model)
     straight.train_step(t1)
-    write_learner(straight, tmp_path, tokenizer_path=tiny_model)
+    straight.save_checkpoint(tmp_path, tokenizer_path=tiny_model)
     resumed = TorchLearner(cfg, tiny_model)
     resumed.load_state_dict(read_learner(tmp_path))
     m_straight, m_resumed = straight.train_step(t2), resumed.train_step(t2)
@@ -406,7 +406,7 @@ def test_deepspeed_learner_state_resumes_exactly(tmp_path, tiny_model, tmp_path_
     t1, t2 = graded_table(groups=4, n=4, seed=1), graded_table(groups=4, n=4, seed=2)
     straight = DeepSpeedLearner(cfg, tiny_model)
     straight.train_step(t1)
-    write_learner(straight, tmp_path, tokenizer_path=tiny_model)
+    straight.save_checkpoint(tmp_path, tokenizer_path=tiny_model)
     resumed = DeepSpeedLearner(cfg, tiny_model)
     resumed.load_state(tmp_path)
     assert resumed.version == 1

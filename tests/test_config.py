@@ -40,3 +40,35 @@ def test_config_errors_name_the_field(override, needle, capsys):
 def test_missing_config_file():
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/nonexistent.yaml", [])
+
+
+def test_auto_resolves_against_the_machine_facts_it_is_given():
+    from prorl_async.machine import MachineFacts
+
+    overrides = ["model.dtype=auto", "train.num_threads=2", "rollout.num_threads=2", "ray.omp_wait_policy=auto"]
+    gpu_like = load_config(None, overrides, machine=MachineFacts(cpus=8, omp_wait_policy_set=False, bf16=True))
+    assert gpu_like.model.dtype == "bfloat16" and gpu_like.ray.omp_wait_policy == "keep"  # 4 threads on 8 CPUs
+    small = load_config(None, overrides, machine=MachineFacts(cpus=2, omp_wait_policy_set=False, bf16=False))
+    assert small.model.dtype == "float32" and small.ray.omp_wait_policy == "passive"  # 4 threads on 2 CPUs
+    user_set = load_config(None, overrides, machine=MachineFacts(cpus=2, omp_wait_policy_set=True, bf16=False))
+    assert user_set.ray.omp_wait_policy == "keep"  # $OMP_WAIT_POLICY wins
+    with pytest.raises(ValueError, match="model.dtype=auto: the machine facts lack bf16"):
+        load_config(None, overrides, machine=MachineFacts(cpus=8, omp_wait_policy_set=False))
+
+
+def test_config_is_a_leaf():
+    """config.py imports nothing of the engines, models, learners, data or rewards, at the top or in a function."""
+    import ast
+    import inspect
+
+    import prorl_async.config as config
+
+    imported = set()
+    for node in ast.walk(ast.parse(inspect.getsource(config))):
+        if isinstance(node, ast.ImportFrom):
+            imported.add(node.module or "")
+        elif isinstance(node, ast.Import):
+            imported.update(a.name for a in node.names)
+    assert "prorl_async.machine" in imported  # the walk sees the project's imports
+    heavy = ("engines", "models", "learners", "data", "rewards")
+    assert not [m for m in imported if m.split(".")[:2] in [["prorl_async", h] for h in heavy]], imported

@@ -127,9 +127,9 @@ def test_the_buffer_reports_graded_groups_per_pool():
                 cols[k].append(v)
     info = ReplayBuffer(max_staleness=1).put(rollout_batch(cols))
     # [groups, with signal, reward sum, valid samples, split into solved and not]
-    assert info["pools"] == {"easy": [2, 1, 2.0, 2 * n, 1], "hard": [1, 0, 0.0, n, 0], "solved": [1, 0, 4.0, n, 0],
+    assert info.pools == {"easy": [2, 1, 2.0, 2 * n, 1], "hard": [1, 0, 0.0, n, 0], "solved": [1, 0, 4.0, n, 0],
                              "partial": [1, 1, 2.0, n, 0]}
-    assert isinstance(rollout_batch(cols), pa.RecordBatch) and info["kept"] == 2
+    assert isinstance(rollout_batch(cols), pa.RecordBatch) and info.kept == 2
 
 
 def test_a_floor_of_active_pools_admits_the_held_pools_with_the_most_signal():

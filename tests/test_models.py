@@ -72,7 +72,7 @@ def test_resolve_dtype_rejects_unknown():
 
 
 def test_config_auto_resolves_once_for_engine_and_learner():
-    from prorl_async.models import cpu_flags
+    from prorl_async.machine import cpu_flags
 
     cfg = load_config(None, ["model.dtype=auto"])
     expected = "bfloat16" if torch.cuda.is_available() or {"amx_bf16", "avx512_bf16"} & cpu_flags() else "float32"

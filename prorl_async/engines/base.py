@@ -1,11 +1,15 @@
-"""What every generation engine returns and accepts."""
+"""What every generation engine implements (:class:`Engine`), returns and accepts.
+
+:class:`Engine` is the whole contract between the generator actor (``actors/generator.py``)
+and an engine: :class:`~prorl_async.engines.hf.HFEngine` and
+:class:`~prorl_async.engines.vllm.VLLMEngine` implement every method of it, so the actor never
+asks an engine what it can do.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-#: ``rollout.vllm_engine_core`` choices (prorl_async.engines.vllm.inline_engine_core)
-VLLM_ENGINE_CORES = ("auto", "inline", "process")
+from typing import Any, Optional, Protocol
 
 
 @dataclass(frozen=True)
@@ -29,3 +33,37 @@ class Completion:
     policy_version: int = 0       # weights version of the first (= oldest) response token
     policy_version_end: int = 0   # ... and of the last (differs only with in-flight weight updates)
     token_versions: list[int] = field(default_factory=list)  # per token, where the engine reports it
+
+
+class Engine(Protocol):
+    """A generation engine: samples responses with behaviour logprobs, and receives new weights
+    from the learner's weight-sync group, applied at a request boundary (or, for vLLM with
+    in-flight updates, between two engine steps)."""
+
+    tokenizer: Any            # the HF tokenizer of the engine's model (prompts are encoded with it)
+    version: int              # the policy version of the weights in use
+    weight_sync_ranks: int    # ranks this engine takes in the weight-sync group (vLLM: its TP size)
+
+    def generate(self, prompt_ids: list[list[int]], spec: SamplingSpec) -> list[list[Completion]]:
+        """``spec.n`` samples for each prompt: the responses of prompt ``i`` in ``out[i]``."""
+        ...
+
+    def abort(self) -> None:
+        """End the requests in flight early (partial responses, ``finish_reason="abort"``);
+        an engine whose request cannot be interrupted lets it run to its end."""
+        ...
+
+    def init_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
+                         timeout_s: float = 120.0) -> str:
+        """Join the weight-sync group from ``rank`` on (``ipc``: no group, handles come with each
+        update); returns the dtype the engine announces (the sender casts to it)."""
+        ...
+
+    def receive_weights(self, payload: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        """Receive one update (``payload``: the learner's ipc handles, else None): ``{"version",
+        "seconds", "applied"}`` -- applied now, or staged for the next request boundary."""
+        ...
+
+    def weights_checksum(self) -> tuple[int, int]:
+        """``(version, checksum)`` of the weights in use; staged weights are applied first."""
+        ...

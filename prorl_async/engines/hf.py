@@ -23,6 +23,8 @@ from prorl_async.models import load_model, load_tokenizer
 
 
 class HFEngine:
+    """:class:`~prorl_async.engines.base.Engine` over transformers' ``generate``."""
+
     def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu", **_):
         self.tokenizer = load_tokenizer(model_path)
         self.model = load_model(model_path, dtype).to(device).eval()
@@ -30,7 +32,7 @@ class HFEngine:
         self._lock = threading.Lock()  # weights change only between requests
         self.version = 0                # version of the weights in use
         self.weight_sync_ranks = 1
-        self._staged = None             # (version, [(name, tensor)]) received, not yet applied
+        self._staged: Optional[tuple[int, list]] = None  # (version, [(name, tensor)]) received, not yet applied
         self._sync = None
 
     # ------------------------------------------------------------------ generation
@@ -70,6 +72,9 @@ class HFEngine:
             else:
                 completions.append(Completion(row, lp, "length", version, version, [version] * len(row)))
         return [completions[i * spec.n:(i + 1) * spec.n] for i in range(len(prompt_ids))]
+
+    def abort(self) -> None:
+        """Nothing to do: ``model.generate`` cannot be interrupted, a request runs to its end."""
 
     # ------------------------------------------------------------------ weights
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:

@@ -73,7 +73,8 @@ from typing import Optional
 
 import torch
 
-from prorl_async.engines.base import VLLM_ENGINE_CORES, Completion, SamplingSpec
+from prorl_async.config import VLLM_ENGINE_CORES
+from prorl_async.engines.base import Completion, SamplingSpec
 from prorl_async.weight_sync import WeightSyncError, tensor_checksum
 from prorl_async.models import load_model, load_tokenizer, machine_dtype
 
@@ -127,6 +128,8 @@ def _span_versions(spans, num_tokens: int) -> list[int]:
 
 
 class VLLMEngine:
+    """:class:`~prorl_async.engines.base.Engine` over vLLM's ``LLMEngine``, stepped by the callers."""
+
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, tensor_parallel_size: int = 1,
                  in_process: Optional[bool] = None, inflight_weight_updates: bool = False,
                  gpu_memory_utilization: float = 0.85, enforce_eager: bool = True,

@@ -41,17 +41,17 @@ rows of ``train.micro_batch_size``, full logits). Both give the same loss and gr
 tolerance (tests/learners/test_packed_learner.py); only the micro-batch-dependent ``*_max`` /
 ``*_min`` metric means of ``actor/`` and ``is/`` differ.
 
-What the core needs from a learner (``ops``): ``policy`` (the module to call), ``device``,
-``autocast``, ``micro``
-(micro-batch rows), ``zero_grad()``, ``backward(loss)``, ``finish_update(finite) ->
-(applied, grad_norm)`` and ``reduce(tensor, op)`` (identity on one process); the torch
-learner owns AdamW and clipping, the DeepSpeed learner its engine, ZeRO and checkpoint.
+What the core needs from a learner (``ops``) is :class:`~prorl_async.learners.base.LearnerOps`:
+``policy`` (the module to call), ``device``, ``autocast``, ``micro`` (micro-batch rows),
+``zero_grad()``, ``backward(loss)``, ``finish_update(finite) -> (applied, grad_norm)``,
+``reduce(tensor, op)`` (identity on one process) and the step's state; the torch learner owns
+AdamW and clipping, the DeepSpeed learner its engine, ZeRO and checkpoint.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -64,6 +64,10 @@ from prorl_async.algo.shaping import LengthPenaltySchedule
 from prorl_async.learners.batch import learner_columns, prepare_batch
 from prorl_async.learners.logprobs import packed_token_logprobs, padded_token_logprobs
 from prorl_async.learners.packing import plan_micro_batches, plan_shared_micro_batches
+
+if TYPE_CHECKING:
+    from prorl_async.config import Config
+    from prorl_async.learners.base import LearnerOps
 
 
 def algo_state(a) -> tuple[LengthPenaltySchedule, ReferenceResetPolicy]:
@@ -161,7 +165,7 @@ def _metric_name(k: str) -> str:
 class LearnerCore:
     """The update loop over a learner's ``ops`` (see the module docstring)."""
 
-    def __init__(self, cfg, ops):
+    def __init__(self, cfg: Config, ops: LearnerOps):
         self.cfg, self.ops = cfg, ops
 
     @property
@@ -175,7 +179,7 @@ class LearnerCore:
         temp = self.cfg.rollout.temperature
         if self.packing:
             return packed_token_logprobs(model, b, rows, temp, o.device, o.autocast, with_entropy,
-                                         chunk_tokens=t.logprob_chunk_tokens, compiled=getattr(o, "compiled", False),
+                                         chunk_tokens=t.logprob_chunk_tokens, compiled=o.compiled,
                                          share_prefixes=t.share_prefixes)
         return padded_token_logprobs(model, b, rows, temp, o.device, o.autocast, with_entropy,
                               entropy_grad=self.cfg.algo.entropy_coef != 0)
@@ -314,7 +318,7 @@ class LearnerCore:
         metrics.update({
             "actor/grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
             "actor/skipped_updates": float(o.skipped_total),
-            "actor/refused_updates": float(getattr(getattr(o, "guard", None), "refused_total", 0)),  # too large
+            "actor/refused_updates": float(o.refused_updates),  # too large
             "actor/updates": float(updates),
             "is/nonfinite_behavior_samples": float(o.reduce(b["beh_bad"].sum().double().reshape(1), "sum")),
         })

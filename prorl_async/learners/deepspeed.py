@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+from pathlib import Path
 from typing import Optional
 
 import pyarrow as pa
@@ -41,18 +42,22 @@ import torch.distributed as dist
 
 from prorl_async.learners import host_memory
 from prorl_async.learners.core import LearnerCore, algo_state
+from prorl_async.learners.files import write_deepspeed_learner
 from prorl_async.learners.logprobs import cpu_has_bf16
 from prorl_async.models import load_model
 from prorl_async.weight_sync import free_port
 
 
-def _base_optimizer(opt):
-    """The torch optimizer inside DeepSpeed's wrappers (ZeRO / bf16)."""
+def _base_optimizer(opt) -> torch.optim.Optimizer:
+    """The torch optimizer inside DeepSpeed's wrappers (ZeRO / bf16), each of which holds the
+    one it wraps as ``.optimizer``."""
+    wrapper = opt
     while not isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "optimizer"):
         opt = opt.optimizer
-    if isinstance(opt, torch.optim.Optimizer):
-        return opt
-    return getattr(opt, "optimizer", opt)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise TypeError(f"DeepSpeed's optimizer {type(wrapper).__name__} wraps no torch.optim.Optimizer "
+                        f"(ended at {type(opt).__name__}); hand deepspeed.initialize a torch optimizer")
+    return opt
 
 
 @contextlib.contextmanager
@@ -102,6 +107,9 @@ def allreduce(x: torch.Tensor, op: str, device, world_size: int) -> torch.Tensor
 
 
 class DeepSpeedLearner:
+    """:class:`~prorl_async.learners.base.Learner` on a DeepSpeed ZeRO engine, one rank of the
+    learners' data-parallel world (module docstring)."""
+
     def __init__(self, cfg, model_path: str, device: str = "cpu", rank: int = 0, world_size: int = 1,
                  master_addr: str = "127.0.0.1", master_port: int = 0):
         import deepspeed
@@ -148,6 +156,7 @@ class DeepSpeedLearner:
         self.device = torch.device(self.engine.device)
         self.autocast = (not bf16) and cfg.model.autocast_bf16 and (self.device.type == "cuda" or cpu_has_bf16())
         self.run_all_micro_batches = True  # collectives in every backward: never break out early
+        self.compiled = False  # train.compile is the torch learner's
         self.policy = self.engine
         self.core = LearnerCore(cfg, self)
         self.length_schedule, self.ref_policy = algo_state(a)
@@ -176,6 +185,10 @@ class DeepSpeedLearner:
     @property
     def micro(self) -> int:
         return self._micro
+
+    @property
+    def refused_updates(self) -> int:
+        return 0  # no update guard: DeepSpeed steps its own optimizer (train.max_update_ratio is the torch learner's)
 
     def _allreduce(self, x: torch.Tensor) -> torch.Tensor:
         return self.reduce(x, "sum")
@@ -215,6 +228,9 @@ class DeepSpeedLearner:
             self.reset_reference(cause)
         return cause
 
+    def base_optimizer(self) -> torch.optim.Optimizer:
+        return _base_optimizer(self.opt)
+
     def save_model(self, path: str) -> str:
         named = dict(self.named_tensors())
         if self.rank == 0:
@@ -222,12 +238,19 @@ class DeepSpeedLearner:
         return path
 
     # ------------------------------------------------------------------ checkpoint
+    def save_checkpoint(self, path: str | Path, tokenizer_path: str = "") -> None:
+        """A collective: every rank calls it (:func:`~prorl_async.learners.files.write_deepspeed_learner`)."""
+        write_deepspeed_learner(self, path, tokenizer_path)
+
+    def load_checkpoint(self, path: str | Path) -> int:
+        """A collective: every rank reads its part (:meth:`load_state`)."""
+        self.load_state(path)
+        return self.version
+
     def save_state(self, path) -> None:
         """DeepSpeed's own checkpoint (module, ZeRO-partitioned optimizer; every rank writes its
         part) under ``path/learner/deepspeed`` with our LR schedule and algo state as client state, plus
         this rank's RNG states. A collective: every rank calls it."""
-        from pathlib import Path
-
         from prorl_async.rng import rng_state
 
         d = Path(path) / "learner" / "deepspeed"
@@ -241,8 +264,6 @@ class DeepSpeedLearner:
     def load_state(self, path) -> None:
         """Inverse of :meth:`save_state` (same ``train.num_learners``); reference weights from
         ``path/learner/reference.safetensors`` when the run has a reference."""
-        from pathlib import Path
-
         from prorl_async.rng import set_rng_state
 
         d = Path(path) / "learner" / "deepspeed"

@@ -8,14 +8,21 @@ Inside a checkpoint directory (whose atomic mechanics live in :mod:`prorl_async.
                       with DeepSpeed instead DeepSpeed's own checkpoint in ``learner/deepspeed/``
                       (:meth:`DeepSpeedLearner.save_state`, ZeRO-partitioned, RNG states per rank)
 
-Every file is fsynced before the directory is sealed.
+Each learner's ``save_checkpoint`` / ``load_checkpoint`` (:class:`prorl_async.learners.base.Learner`)
+calls its own writer here: :func:`write_torch_learner`, :func:`write_deepspeed_learner`. Every
+file is fsynced before the directory is sealed.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prorl_async.checkpoint import fsync_tree
+
+if TYPE_CHECKING:
+    from prorl_async.learners.deepspeed import DeepSpeedLearner
+    from prorl_async.learners.torch_learner import TorchLearner
 
 
 def _dedup(tensors: dict) -> dict:
@@ -43,35 +50,49 @@ def _write_policy(model, path: Path, tensors: dict, tokenizer_path: str) -> None
             pass  # a model folder without a tokenizer; generators then need model.path's
 
 
-def write_learner(learner, path, tokenizer_path: str = "") -> None:
-    """``learner``'s state into checkpoint directory ``path``: ``policy/`` (HF folder, safetensors),
-    ``learner/`` (reference weights as safetensors, the rest as ``state.pt``, or DeepSpeed's own
-    checkpoint, a collective every rank calls); every file fsynced."""
+def write_torch_learner(learner: TorchLearner, path: str | Path, tokenizer_path: str = "") -> None:
+    """The torch learner's state into checkpoint directory ``path``: ``policy/`` (HF folder,
+    safetensors), ``learner/`` (reference weights as safetensors, the rest as ``state.pt``);
+    every file fsynced. :func:`read_learner` reads it back."""
     import torch
-    from safetensors.torch import save_file
 
     path = Path(path)
-    if hasattr(learner, "save_state"):  # DeepSpeed: its own (partitioned) checkpoint, a collective
-        named = dict(learner.named_tensors())  # gathered under ZeRO-3: every rank calls it
-        learner.save_state(path)
-        if learner.rank != 0:
-            return
-        _write_policy(learner.model, path, named, tokenizer_path)
-        ref = dict(learner.ref.state_dict()) if learner.ref is not None else None
-    else:
-        sd = learner.state_dict()
-        _write_policy(learner.model, path, sd.pop("model"), tokenizer_path)
-        (path / "learner").mkdir(parents=True, exist_ok=True)
-        ref = sd.pop("reference")
-        torch.save(sd, path / "learner" / "state.pt")
-    if ref is not None:
-        save_file(_dedup(ref), str(path / "learner" / "reference.safetensors"))
+    sd = learner.state_dict()
+    _write_policy(learner.model, path, sd.pop("model"), tokenizer_path)
+    (path / "learner").mkdir(parents=True, exist_ok=True)
+    ref = sd.pop("reference")
+    torch.save(sd, path / "learner" / "state.pt")
+    _write_reference(path, ref)
     fsync_tree(path / "policy")
     fsync_tree(path / "learner")
 
 
-def read_learner(path) -> dict:
-    """The torch learner's state dict :func:`write_learner` wrote (policy weights from ``policy/*.safetensors``)."""
+def write_deepspeed_learner(learner: DeepSpeedLearner, path: str | Path, tokenizer_path: str = "") -> None:
+    """A DeepSpeed learner's state into checkpoint directory ``path``: DeepSpeed's own
+    (partitioned) checkpoint in ``learner/deepspeed/`` (:meth:`DeepSpeedLearner.save_state`, a
+    collective every rank calls), and from rank 0 ``policy/`` (HF folder, safetensors) and the
+    reference weights; every file fsynced."""
+    path = Path(path)
+    named = dict(learner.named_tensors())  # gathered under ZeRO-3: every rank calls it
+    learner.save_state(path)
+    if learner.rank != 0:
+        return
+    _write_policy(learner.model, path, named, tokenizer_path)
+    _write_reference(path, dict(learner.ref.state_dict()) if learner.ref is not None else None)
+    fsync_tree(path / "policy")
+    fsync_tree(path / "learner")
+
+
+def _write_reference(path: Path, ref: dict | None) -> None:
+    """``path/learner/reference.safetensors`` (nothing for a run without a reference)."""
+    from safetensors.torch import save_file
+
+    if ref is not None:
+        save_file(_dedup(ref), str(path / "learner" / "reference.safetensors"))
+
+
+def read_learner(path: str | Path) -> dict:
+    """The torch learner's state dict :func:`write_torch_learner` wrote (policy weights from ``policy/*.safetensors``)."""
     import torch
     from safetensors.torch import load_file
 
@@ -83,12 +104,3 @@ def read_learner(path) -> dict:
     ref = path / "learner" / "reference.safetensors"
     sd["reference"] = load_file(str(ref)) if ref.is_file() else None
     return sd
-
-
-def load_learner(learner, path) -> int:
-    """Restore ``learner`` from checkpoint directory ``path``; returns its policy version."""
-    if hasattr(learner, "load_state"):  # DeepSpeed reads its own checkpoint (a collective)
-        learner.load_state(path)
-    else:
-        learner.load_state_dict(read_learner(path))
-    return learner.version

@@ -26,6 +26,7 @@ AdamW runs fused (one pass per tensor) where torch has the kernel (CPU, CUDA).
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Optional
 
 import pyarrow as pa
@@ -34,6 +35,7 @@ import torch
 from prorl_async.learners import host_memory
 from prorl_async.learners.compile import compile_applies, compile_decoder_layers
 from prorl_async.learners.core import LearnerCore, algo_state
+from prorl_async.learners.files import read_learner, write_torch_learner
 from prorl_async.learners.logprobs import cpu_has_bf16
 from prorl_async.learners.update_guard import UpdateGuard
 from prorl_async.models import load_model
@@ -41,6 +43,8 @@ from prorl_async.models import load_model
 
 
 class TorchLearner:
+    """:class:`~prorl_async.learners.base.Learner` in plain torch, one process (module docstring)."""
+
     def __init__(self, cfg, model_path: str, device: str = "cpu"):
         self.cfg = cfg
         self.device = torch.device(device)
@@ -80,6 +84,10 @@ class TorchLearner:
         self.core = LearnerCore(cfg, self)
 
     # ------------------------------------------------------------------ what the core calls
+    @property
+    def refused_updates(self) -> int:
+        return self.guard.refused_total
+
     def reduce(self, x: torch.Tensor, op: str) -> torch.Tensor:
         return x  # one process
 
@@ -135,7 +143,22 @@ class TorchLearner:
             self.reset_reference(cause)
         return cause
 
+    def base_optimizer(self) -> torch.optim.Optimizer:
+        return self.opt  # AdamW itself: no wrapper
+
+    def save_model(self, path: str) -> str:
+        """The module as it is (with ``model.bf16_params``: its bf16 parameters) as a HF folder."""
+        self.model.save_pretrained(path)
+        return path
+
     # ------------------------------------------------------------------ checkpoint
+    def save_checkpoint(self, path: str | Path, tokenizer_path: str = "") -> None:
+        write_torch_learner(self, path, tokenizer_path)
+
+    def load_checkpoint(self, path: str | Path) -> int:
+        self.load_state_dict(read_learner(path))
+        return self.version
+
     def state_dict(self) -> dict:
         """Everything an exact resume needs: weights (policy, reference), AdamW and LR-scheduler
         state, the algo state objects, counters, and this process's RNG states."""

@@ -18,7 +18,6 @@ import torch
 
 from prorl_async.config import load_config
 from prorl_async.learners.logprobs import cpu_has_bf16
-from prorl_async.learners.files import load_learner, write_learner
 from prorl_async.learners import torch_learner
 from prorl_async.learners.torch_learner import TorchLearner
 
@@ -178,9 +177,9 @@ def test_checkpoint_keeps_fp32_masters_exactly(bf16_cpu, tiny_model, tmp_path):
     a.train_step(table, 0)
     masters = {n: t.clone() for n, t in a.named_tensors()}
     assert any(not torch.equal(t, t.bfloat16().float()) for t in masters.values())  # not bf16 values
-    write_learner(a, tmp_path / "ckpt")
+    a.save_checkpoint(tmp_path / "ckpt")
     b = TorchLearner(cfg, tiny_model)
-    assert load_learner(b, tmp_path / "ckpt") == a.version == 1
+    assert b.load_checkpoint(tmp_path / "ckpt") == a.version == 1
     for n, t in b.named_tensors():
         assert torch.equal(t, masters[n]), n
     for p, q in zip(a.model.parameters(), b.model.parameters()):
