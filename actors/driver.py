@@ -19,7 +19,7 @@ import importlib
 import logging
 import sys
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import ray
 
@@ -443,7 +443,7 @@ def _run(cfg: Config, resume, run_dir, t0: float) -> dict:
         after = held_out(cfg, actors, eval_rows, steps, tracker)
         loop.observe_evaluation(after, steps, periodic=False)
         checkpointing.save_policy(loop, FINAL)
-        summary = {"run_dir": str(run_dir), "aim_run_hash": tracker.hash, "steps": steps,
+        summary: dict[str, Any] = {"run_dir": str(run_dir), "aim_run_hash": tracker.hash, "steps": steps,
                    "wall_time_s": time.time() - t0, "before": loop.s.before, "after": after,
                    "max_trained_staleness": max((h.get("async/trained_staleness_max", 0) for h in history), default=0),
                    "generator_failures": loop.s.gen_failures, "grader_failures": loop.s.grader_failures,

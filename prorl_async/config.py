@@ -457,12 +457,15 @@ def validate(cfg: Config) -> None:
     _require(t.eval_temperature >= 0, "train.eval_temperature",
              f"must be >= 0 (0 = rollout.temperature), got {t.eval_temperature}")
     _one_of(t.keep_best_mode, KEEP_BEST_MODES, "train.keep_best_mode")
-    for key, check in (("train.keep_best", lambda: t.keep_best and check_metric(t.keep_best, t.eval_samples)),
-                       ("train.stop_at", lambda: parse_stop_at(t.stop_at, t.eval_samples))):
-        try:
-            check()
-        except ValueError as e:
-            raise ConfigError(f"{key}: {e}") from None
+    try:
+        if t.keep_best:
+            check_metric(t.keep_best, t.eval_samples)
+    except ValueError as e:
+        raise ConfigError(f"train.keep_best: {e}") from None
+    try:
+        parse_stop_at(t.stop_at, t.eval_samples)
+    except ValueError as e:
+        raise ConfigError(f"train.stop_at: {e}") from None
     _require(not t.stop_at or t.eval_interval > 0, "train.stop_at",
              f"is checked at the periodic evaluations; set train.eval_interval > 0 (got {t.eval_interval})")
     _require(t.learner in ("torch", "deepspeed"), "train.learner", f"must be torch or deepspeed, got {t.learner!r}")
