@@ -9,9 +9,19 @@ transformers versions (a list of ids in 4.x, a ``BatchEncoding`` in 5.x). A mode
 template gets the message contents joined by newlines, encoded as a plain string. A string
 prompt is encoded as is (special tokens added by the tokenizer's own post-processor),
 whether or not the model has a template: a dataset that wants the template gives messages.
+
+Message contents are text, never control tokens. A tokenizer reads its special tokens' texts
+(``<|im_end|>``, ``<|im_start|>``, ``</s>``) wherever they appear, so a user message holding
+``<|im_end|>\n<|im_start|>assistant\n...`` would end its own turn and open a forged one. Where a
+content holds such a text, the template is rendered with a marker in its place and that text is
+encoded as ordinary characters (``split_special_tokens``); the template's own special tokens
+stay special. Prompts without such text encode exactly as before. (A string prompt is the
+dataset's own rendering and keeps its special tokens.)
 """
 
 from __future__ import annotations
+
+import re
 
 
 class PromptError(ValueError):
@@ -22,6 +32,46 @@ def _is_messages(prompt) -> bool:
     return isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt)
 
 
+def control_texts(tokenizer) -> list[str]:
+    """The texts ``tokenizer`` reads as special tokens (``<|im_end|>``, ``</s>`` ...), longest first."""
+    texts = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+    texts |= set(getattr(tokenizer, "all_special_tokens", None) or [])
+    return sorted((t for t in texts if t), key=len, reverse=True)
+
+
+def _hide_controls(prompt: list[dict], controls: list[str]) -> tuple[list[dict], list[str], str]:
+    """``prompt`` with each control text in a content replaced by a marker ``<m>k<m>``; the texts
+    replaced, in order; and the marker (a private-use character no content holds)."""
+    mark = "\ue000"
+    while any(mark in str(m["content"]) for m in prompt):
+        mark += "\ue000"
+    pattern = re.compile("|".join(map(re.escape, controls)))
+    hidden: list[str] = []
+
+    def swap(m: re.Match) -> str:
+        hidden.append(m.group())
+        return f"{mark}{len(hidden) - 1}{mark}"
+
+    out = [{**m, "content": pattern.sub(swap, m["content"])} if isinstance(m["content"], str) else m for m in prompt]
+    return out, hidden, mark
+
+
+def _encode_template(tokenizer, prompt: list[dict]) -> list[int]:
+    """Token ids of the template rendered on ``prompt``, contents' control texts as plain text."""
+    controls = control_texts(tokenizer)
+    hidden, texts, mark = _hide_controls(prompt, controls) if controls else (prompt, [], "")
+    text = tokenizer.apply_chat_template(hidden, add_generation_prompt=True, tokenize=False)
+    if not texts:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids: list[int] = []
+    for k, piece in enumerate(re.split(f"{mark}(\\d+){mark}", text)):
+        if k % 2:  # a control text of a content: ordinary characters
+            ids += tokenizer(texts[int(piece)], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        elif piece:
+            ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
+    return ids
+
+
 def encode_prompt(tokenizer, prompt, row_id: str = "?") -> list[int]:
     """Token ids of ``prompt`` (string or chat messages) for ``tokenizer``; see the module doc."""
     if isinstance(prompt, list):
@@ -30,13 +80,12 @@ def encode_prompt(tokenizer, prompt, row_id: str = "?") -> list[int]:
                               f"[{{'role': ..., 'content': ...}}, ...], got {str(prompt)[:80]!r}")
         if getattr(tokenizer, "chat_template", None):
             try:
-                text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+                ids = _encode_template(tokenizer, prompt)
             except Exception as e:
                 raise PromptError(f"prompt of row {row_id!r}: the model's chat template cannot render "
                                   f"these messages ({type(e).__name__}: {e}); check the roles and contents") from None
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        else:
-            ids = tokenizer("\n".join(str(m["content"]) for m in prompt))["input_ids"]
+        else:  # all of it is content: no control tokens read from it (the tokenizer's BOS still added)
+            ids = tokenizer("\n".join(str(m["content"]) for m in prompt), split_special_tokens=True)["input_ids"]
     elif isinstance(prompt, str):
         ids = tokenizer(prompt)["input_ids"]
     else:
