@@ -17,11 +17,24 @@ content holds such a text, the template is rendered with a marker in its place a
 encoded as ordinary characters (``split_special_tokens``); the template's own special tokens
 stay special. Prompts without such text encode exactly as before. (A string prompt is the
 dataset's own rendering and keeps its special tokens.)
+
+A prompt must leave its response room: prompt tokens + ``rollout.max_new_tokens`` within the
+model's context (:func:`prorl_async.models.context_length`), so every response can reach its
+full length at positions the model was trained on and the learner's sequences fit too.
+:func:`drop_unfit` checks every row once, when a run or an evaluation loads its data: a row that
+does not fit, or whose prompt cannot be encoded, is dropped with one warning that counts them
+and names each with its reason (``data.strict``: the first one stops the load, as a malformed
+row does); no row left is one error naming the fix. A run never meets such a prompt mid-way.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+import warnings
+
+logger = logging.getLogger(__name__)
+_MAX_LISTED = 20
 
 
 class PromptError(ValueError):
@@ -99,3 +112,43 @@ def encode_prompt(tokenizer, prompt, row_id: str = "?") -> list[int]:
         raise PromptError(f"prompt of row {row_id!r}: token ids {unknown[:5]} are outside the vocabulary "
                           f"({len(tokenizer)}); the tokenizer does not match the model")
     return list(ids)
+
+
+def fit_to_context(rows: list[dict], tokenizer, context: int | None,
+                   max_new_tokens: int) -> tuple[list[dict], list[tuple[str, str]]]:
+    """(the rows whose prompt encodes and leaves ``max_new_tokens`` of room in ``context``,
+    ``[(id, reason), ...]`` of the others). ``context`` None: only encoding is checked."""
+    kept, dropped = [], []
+    for row in rows:
+        rid = str(row.get("id", "?"))
+        try:
+            n = len(encode_prompt(tokenizer, row.get("prompt"), rid))
+        except PromptError as e:
+            dropped.append((rid, str(e)))
+            continue
+        if context is not None and n + max_new_tokens > context:
+            dropped.append((rid, f"prompt of {n} tokens + rollout.max_new_tokens {max_new_tokens} > "
+                                 f"the model's context of {context}"))
+            continue
+        kept.append(row)
+    return kept, dropped
+
+
+def drop_unfit(rows: list[dict], tokenizer, context: int | None, max_new_tokens: int, source: str,
+               strict: bool = False) -> tuple[list[dict], int]:
+    """(the rows of ``source`` that fit, how many were dropped); see the module doc."""
+    kept, dropped = fit_to_context(rows, tokenizer, context, max_new_tokens)
+    if not dropped:
+        return kept, 0
+    if strict:
+        rid, reason = dropped[0]
+        raise ValueError(f"{source}: row {rid!r}: {reason} (data.strict)")
+    if not kept:
+        raise ValueError(f"{source}: no prompt of its {len(rows)} rows fits the model ({dropped[0][1]}); "
+                         f"shorten the prompts, lower rollout.max_new_tokens or use a model with a longer context")
+    listed = "; ".join(f"{rid}: {reason}" for rid, reason in dropped[:_MAX_LISTED])
+    more = f"; ... and {len(dropped) - _MAX_LISTED} more" if len(dropped) > _MAX_LISTED else ""
+    msg = f"{source}: dropped {len(dropped)} of {len(rows)} row(s) whose prompt does not fit the model: {listed}{more}"
+    warnings.warn(msg, stacklevel=2)
+    logger.warning(msg)
+    return kept, len(dropped)
