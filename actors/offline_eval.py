@@ -74,7 +74,8 @@ def run_eval(cfg: Config, data: str, samples: int, out: str = "", aim: bool = Fa
         if started:
             ray.shutdown()
     result = {key.split("/", 1)[1]: v for key, v in val.items()}  # val/pass@1/math -> pass@1/math
-    result.update({"model": cfg.model.path, "data": data, "prompts": len(rows), "prompts_dropped": dropped, "samples": samples,
+    result.update({"model": cfg.model.path, "data": data, "prompts": len(rows), "prompts_dropped": dropped,
+                   "samples": samples,
                    "wall_time_s": time.time() - t0, "aim_run_hash": tracker.hash})
     print(report(result, samples), flush=True)
     if out:

@@ -24,8 +24,8 @@ class PromptSource:
 
     def _shuffle(self, epoch: int) -> list[int]:
         order = list(range(len(self.rows)))
-        rng = random.Random(self.seed + epoch) if self.order == "legacy" else random.Random(f"prompts-{self.seed}-{epoch}")
-        rng.shuffle(order)
+        key = self.seed + epoch if self.order == "legacy" else f"prompts-{self.seed}-{epoch}"
+        random.Random(key).shuffle(order)
         return order
 
     def next(self, k: int) -> list[dict]:

@@ -128,7 +128,8 @@ def test_control_text_in_messages_without_a_template_is_plain_text(tiny_model):
 # ---- prompts longer than the model's context: dropped at load with a counted reason, never mid-run
 
 def _rows(lengths):
-    return [{"id": f"r{k}", "domain": "arithmetic", "prompt": "1+" * (n // 2), "answer": "1"} for k, n in enumerate(lengths)]
+    return [{"id": f"r{k}", "domain": "arithmetic", "prompt": "1+" * (n // 2), "answer": "1"}
+            for k, n in enumerate(lengths)]
 
 
 def test_rows_that_leave_no_room_for_the_response_are_dropped_by_name(tiny_model):
@@ -149,7 +150,8 @@ def test_rows_that_leave_no_room_for_the_response_are_dropped_by_name(tiny_model
     assert len(fit_to_context(rows[2:3], tok, TINY_POSITIONS, edge)[0]) == 1
     assert len(fit_to_context(rows[2:3], tok, TINY_POSITIONS, edge + 1)[0]) == 0
 
-    with pytest.warns(UserWarning, match=r"data.train: dropped 2 of 5 row\(s\) whose prompt does not fit the model: r1: "):
+    with pytest.warns(UserWarning, match=r"data.train: dropped 2 of 5 row\(s\) whose prompt does not fit the model: r1: "
+                                         r"prompt of"):
         kept2, n = drop_unfit(rows, tok, TINY_POSITIONS, 16, "data.train")
     assert (kept2, n) == (kept, 2)
     with pytest.raises(ValueError, match=r"data.train: row 'r1': prompt of \d+ tokens .*\(data.strict\)"):
@@ -176,7 +178,8 @@ def test_hf_engine_refuses_a_prompt_past_its_context_and_generates_the_rest(tiny
     rows = _rows([10, 3000])
     ids = [encode_prompt(h.tokenizer, r["prompt"]) for r in rows]
     spec = SamplingSpec(n=2, max_new_tokens=4, seed=3)
-    with pytest.raises(ValueError, match=r"a prompt of \d+ tokens \+ max_new_tokens 4 exceeds the model's context of 2048"):
+    with pytest.raises(ValueError, match=r"a prompt of \d+ tokens \+ max_new_tokens 4 exceeds the model's "
+                                         r"context of 2048"):
         h.generate(ids, spec)  # before this check: a silent generation past the context
     kept, _ = fit_to_context(rows, h.tokenizer, h.context, spec.max_new_tokens)
     out = h.generate([encode_prompt(h.tokenizer, r["prompt"]) for r in kept], spec)
