@@ -29,8 +29,9 @@ from prorl_async.console import ActorWarnings, quiet_driver
 from prorl_async.curriculum import Curriculum, NoSignal
 from prorl_async.data.datasets import load_source, load_train_rows
 from prorl_async.data.source import PromptSource
+from prorl_async.engines.prompts import drop_unfit
 from prorl_async.metrics import domain_metrics, rollout_metrics, rss_mb, utilisation_metrics
-from prorl_async.models import resolve_model_path
+from prorl_async.models import context_length, load_tokenizer, resolve_model_path
 from prorl_async.outputs import BEST, FINAL, format_table, prepare_run_dir, write_final
 from prorl_async.refill import RefillWatch
 from prorl_async.selection import Best, improves, parse_stop_at, require_logged
@@ -368,9 +369,16 @@ class TrainingLoop:
         self.s.resyncs += 1
 
 
-def prompt_source(cfg: Config) -> PromptSource | Curriculum:
+def fitted_rows(cfg: Config, model_path: str, rows: list[dict], source: str) -> tuple[list[dict], int]:
+    """``rows`` whose prompts fit the model (prompt + ``rollout.max_new_tokens`` within its context), and how
+    many were dropped, with one warning (:func:`prorl_async.engines.prompts.drop_unfit`)."""
+    return drop_unfit(rows, load_tokenizer(model_path), context_length(model_path), cfg.rollout.max_new_tokens,
+                      source, strict=cfg.data.strict)
+
+
+def prompt_source(cfg: Config, rows: list[dict]) -> PromptSource | Curriculum:
     """The run's training prompts: one shuffled stream, or pools chosen by signal (``curriculum.enabled``)."""
-    rows, c = load_train_rows(cfg.data), cfg.curriculum
+    c = cfg.curriculum
     if not c.enabled:
         return PromptSource(rows, seed=cfg.data.shuffle_seed)
     return Curriculum(rows, seed=cfg.data.shuffle_seed, min_signal=c.min_signal, probe_frac=c.probe_frac, window=c.window,
@@ -407,8 +415,9 @@ def _run(cfg: Config, resume, run_dir, t0: float) -> dict:
     model_path = resolve_model_path(cfg.model, seed=cfg.train.seed)
     for module in cfg.reward.extra_modules:  # custom verifiers register their domains on import
         importlib.import_module(module)
-    eval_rows = load_source(cfg.data.eval, cfg.data)
-    source = prompt_source(cfg)
+    eval_rows, eval_dropped = fitted_rows(cfg, model_path, load_source(cfg.data.eval, cfg.data), "data.eval")
+    train_rows, train_dropped = fitted_rows(cfg, model_path, load_train_rows(cfg.data), "data.train")
+    source = prompt_source(cfg, train_rows)
     started = init_ray(cfg, log_dir=run_dir / "logs")  # actors' output: logs/<role>.log
     tracker = actors = loop = None
     try:
@@ -451,6 +460,7 @@ def _run(cfg: Config, resume, run_dir, t0: float) -> dict:
                    "weight_sync_backend": actors.sync_backend,
                    "prompts_consumed": source.consumed, "stopped": loop.s.stop_reason or None,
                    "best": loop.s.best if cfg.train.keep_best else None,
+                   "prompts_dropped": {"data.train": train_dropped, "data.eval": eval_dropped},
                    "final_metrics": history[-1] if history else {}}
         if isinstance(source, Curriculum):
             summary["curriculum"] = source.state_dict()["pools"]

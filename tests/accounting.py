@@ -17,6 +17,7 @@ def drawn_prompts(cfg, source_state: dict) -> Counter:
     from prorl_async.data.source import PromptSource
 
     src = PromptSource(load_train_rows(cfg.data), seed=source_state["seed"])
+    src.load_state_dict({**source_state, "epoch": 0, "pos": 0, "consumed": 0})  # its shuffle ("order") too
     return Counter(str(r["id"]) for r in src.next(source_state["consumed"]))
 
 

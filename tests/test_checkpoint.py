@@ -350,7 +350,8 @@ def test_sync_resume_is_exact_across_an_epoch_boundary(runs):
     straight, resumed = runs["dirs"]["sync_straight"], runs["dirs"]["sync_resumed"]
     first = runs["first"]["sync_resumed"]
     # the checkpoint sits exactly at the end of epoch 1 (24 of 12 prompts drawn)
-    assert first["version"] == 3 and first["source"] == {"epoch": 1, "pos": 12, "consumed": 24, "seed": 0}
+    assert first["version"] == 3 and first["source"] == {"epoch": 1, "pos": 12, "consumed": 24, "seed": 0,
+                                                       "order": "seed-epoch"}
     # same steps, same prompts per step, same per-step metrics (timings aside), bit for bit
     hs, hr = _history(straight), _history(resumed)
     assert [h["step"] for h in hr] == [h["step"] for h in hs] == [1, 2, 3, 4, 5, 6]

@@ -144,3 +144,27 @@ def test_weights_identical_after_sync(ray_cluster, tiny_model):
     finally:
         for a in actors.all():
             ray.kill(a)
+
+
+def test_prompts_past_the_context_are_dropped_at_load_and_counted(tmp_path, model_cache):
+    """Rows whose prompt + rollout.max_new_tokens exceed the model's context (tiny-arith: 2048) are
+    dropped with one warning naming them, counted in the summary; the run trains on the rest."""
+    from prorl_async.data.arithmetic import generate
+
+    rows = [{"id": f"a{k}", "domain": "arithmetic", "prompt": r["prompt"], "answer": r["answer"]}
+            for k, r in enumerate(generate(32, 1, "train"))]
+    long = [{"id": f"long{k}", "domain": "arithmetic", "prompt": "1+" * 1100 + "1=", "answer": "1101"} for k in range(2)]
+    for name, part in (("train", rows[:10] + long[:1] + rows[10:] + long[1:]), ("eval", rows[:4] + long[:1])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    run_dir = tmp_path / "run"
+    res = cli("train", "train.total_steps=1", "train.prompts_per_step=8", "rollout.n=2", "rollout.prompts_per_request=4",
+              "train.eval_interval=0", "train.eval_samples=1", "model.warmup_steps=200", "train.micro_batch_size=16",
+              "ray.num_cpus=2", "rollout.max_new_tokens=8", "algo.max_refill_rounds=0", "algo.dynamic_sampling=false",
+              f"data.train={tmp_path / 'train.jsonl'}", f"data.eval={tmp_path / 'eval.jsonl'}",
+              f"run_dir={run_dir}", f"tracking.aim_repo={tmp_path / 'aim'}", f"model.cache_dir={model_cache}",
+              cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["prompts_dropped"] == {"data.train": 2, "data.eval": 1}
+    assert "data.train: dropped 2 of 34 row(s) whose prompt does not fit the model: long0: prompt of" in res.stderr
+    assert "data.eval: dropped 1 of 5 row(s)" in res.stderr

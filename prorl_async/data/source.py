@@ -1,25 +1,31 @@
 """An endless, reproducible stream of prompts with a resumable cursor.
 
-Rows are shuffled per epoch with ``seed + epoch``; ``state_dict`` is (epoch, position,
-consumed), enough to resume exactly where a run stopped, epoch boundaries included.
+Rows are shuffled per epoch by a generator seeded with the pair (``seed``, epoch), so no two
+pairs share an order (with ``seed + epoch``, seed 1's first epoch was seed 0's second).
+``state_dict`` is (epoch, position, consumed, seed, order), enough to resume exactly where a run
+stopped, epoch boundaries included. A checkpoint written before the pair keyed the shuffle has
+no ``order`` and resumes with the order its run used (``Random(seed + epoch)``, "legacy").
 """
 
 from __future__ import annotations
 
 import random
 
+ORDER = "seed-epoch"  # the shuffle of new sources; "legacy": Random(seed + epoch)
+
 
 class PromptSource:
     def __init__(self, rows: list[dict], seed: int = 0):
         if not rows:
             raise ValueError("the training dataset is empty; check data.train")
-        self.rows, self.seed = rows, seed
+        self.rows, self.seed, self.order = rows, seed, ORDER
         self.epoch, self.pos, self.consumed = 0, 0, 0
         self._order = self._shuffle(0)
 
     def _shuffle(self, epoch: int) -> list[int]:
         order = list(range(len(self.rows)))
-        random.Random(self.seed + epoch).shuffle(order)
+        key = self.seed + epoch if self.order == "legacy" else f"prompts-{self.seed}-{epoch}"
+        random.Random(key).shuffle(order)
         return order
 
     def next(self, k: int) -> list[dict]:
@@ -34,8 +40,10 @@ class PromptSource:
         return out
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "pos": self.pos, "consumed": self.consumed, "seed": self.seed}
+        return {"epoch": self.epoch, "pos": self.pos, "consumed": self.consumed, "seed": self.seed,
+                "order": self.order}
 
     def load_state_dict(self, s: dict) -> None:
         self.seed, self.epoch, self.pos, self.consumed = s["seed"], s["epoch"], s["pos"], s["consumed"]
+        self.order = s.get("order", "legacy")
         self._order = self._shuffle(self.epoch)

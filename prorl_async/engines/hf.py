@@ -19,7 +19,7 @@ import torch
 from prorl_async.engines.base import Completion, SamplingSpec
 from prorl_async.weight_ipc import IpcWeightReceiver
 from prorl_async.weight_sync import WeightSyncGroup, tensor_checksum
-from prorl_async.models import load_model, load_tokenizer
+from prorl_async.models import context_length, load_model, load_tokenizer
 
 
 class HFEngine:
@@ -29,6 +29,7 @@ class HFEngine:
         self.tokenizer = load_tokenizer(model_path)
         self.model = load_model(model_path, dtype).to(device).eval()
         self.device = device
+        self.context = context_length(model_path)  # prompt + response positions the model accepts
         self._lock = threading.Lock()  # weights change only between requests
         self.version = 0                # version of the weights in use
         self.weight_sync_ranks = 1
@@ -40,6 +41,11 @@ class HFEngine:
     def generate(self, prompt_ids: list[list[int]], spec: SamplingSpec) -> list[list[Completion]]:
         if spec.ignore_eos:
             raise ValueError("SamplingSpec.ignore_eos is supported by the vllm engine only (rollout.engine=vllm)")
+        longest = max(map(len, prompt_ids), default=0)
+        if self.context is not None and longest + spec.max_new_tokens > self.context:
+            raise ValueError(f"a prompt of {longest} tokens + max_new_tokens {spec.max_new_tokens} exceeds the model's "
+                             f"context of {self.context}; a run drops such rows when it loads its data "
+                             f"(prorl_async.engines.prompts.drop_unfit)")
         self._apply_staged()
         version = self.version
         tok = self.tokenizer

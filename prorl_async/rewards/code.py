@@ -33,6 +33,13 @@ equal to everything, writing the harness's completion marker itself) can fool it
 untrusted policies is safer with stdin/stdout or function-call cases, whose expected values
 never enter the sandbox.
 
+What no form can tell: how an output was made. A program that prints one case's expected
+output passes that case only (every case runs with its own input, so the other cases fail), but a
+program holding a table of the row's inputs and outputs passes them all, as does a constant
+program when every case expects the same output. Rows whose cases the prompt shows need hidden
+cases, and enough of them with different inputs and outputs, for the reward to mean the program
+computes its answer.
+
 Reward: the fraction of tests passed (``code_mode="fraction"``, the PRIME/ProRL partial-credit
 choice) or 1.0 iff all pass (``code_mode="all"``). A program that loops, crashes, floods its
 output or tries to escape simply fails its tests: reward 0 with ``reason`` naming the first

@@ -3,7 +3,12 @@
 After IFEval (Zhou et al., "Instruction-Following Evaluation for Large Language Models", 2023)
 as used in ProRL's instruction-following mix. ``row["constraints"]`` is a list of
 ``{"type": str, "kwargs": dict}``; each constraint is checked by a small exact function on the
-response (the part after the last ``</think>`` if the model wrote one). Reward: the fraction
+response (the part after the last ``</think>`` if the model wrote one; none if a ``<think>`` was
+never closed, as in a response cut at the length limit). An empty answer scores 0 with reason
+``no_answer`` whatever its constraints: "no commas" or "at most 50 words" must not be
+satisfied by saying nothing. (A short answer that ignores the task but keeps such constraints
+still scores: the checkers see the form of the text, not whether it does what the prompt asks.)
+Reward: the fraction
 of constraints satisfied (``instruction_mode="fraction"``, IFEval's "loose-instruction" style
 partial credit) or 1.0 iff all are (``"all"``, IFEval's prompt-level accuracy). An unknown
 constraint type, or kwargs a checker cannot use, makes the grade ``valid=False`` with a reason
@@ -145,9 +150,11 @@ def _letter(x) -> str:
 
 
 def answer_part(response: str) -> str:
-    """The response after the last ``</think>`` (the whole response if there is none)."""
+    """The response after the last ``</think>`` (the whole response if there is none); empty when
+    a ``<think>`` is never closed (the response ended while thinking)."""
     i = response.rfind("</think>")
-    return response[i + len("</think>"):] if i >= 0 else response
+    answer = response[i + len("</think>"):] if i >= 0 else response
+    return "" if "<think>" in answer else answer
 
 
 def verify(row: dict, response: str, **options) -> Grade:
@@ -172,6 +179,8 @@ def verify(row: dict, response: str, **options) -> Grade:
             satisfied += 1
         elif first_failed is None:
             first_failed = ctype
+    if not text.strip():  # after the checks, so a malformed row stays invalid whatever the response
+        return Grade(0.0, True, "no_answer", "instruction")
     n = len(constraints)
     if options.get("instruction_mode", "fraction") == "all":
         reward = 1.0 if satisfied == n else 0.0

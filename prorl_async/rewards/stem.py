@@ -14,6 +14,12 @@ Rows (the GPQA / SCP-116K style used in ProRL's STEM mix):
 
 Final answer: the last ``\boxed{...}``, else the text after the last "answer is"/"answer:",
 else (multiple choice only) the whole response when it is a single letter.
+
+Hedging: a multiple-choice final answer made of two or more different letters and nothing but
+separators (``A,B,C,D``, ``B or C``, ``(B)(C)``, ``Both B and C``) scores 0 with reason
+``hedged_answer``, even when the gold letter is among them (unless it is, word for word, one
+option's text). Not covered: several boxes (the last one counts) and numeric answers listing
+several numbers (the first one counts), which gain nothing over writing that one answer.
 """
 
 from __future__ import annotations
@@ -67,14 +73,36 @@ def _norm(text: str) -> str:
     return " ".join(str(text).lower().split()).rstrip(".")
 
 
+_HEDGE_TOKEN = re.compile(r"[A-Za-z]+|[^\sA-Za-z]")
+_HEDGE_WORDS = {"and", "or", "both", "option", "options", "choice", "choices"}
+
+
+def hedged_letters(answer: str) -> set[str]:
+    """The letters of an answer made only of single letters, separators and joining words
+    (``"A, C"``, ``"B or D"``, ``"(B)(C)"``), upper-cased; empty for any other answer."""
+    letters = set()
+    for tok in _HEDGE_TOKEN.findall(answer):
+        if tok.lower() in _HEDGE_WORDS or tok in ",;/&+|().:":
+            continue
+        if len(tok) != 1 or not tok.isalpha():
+            return set()
+        letters.add(tok.upper())
+    return letters
+
+
 def _letter_of(answer: str, choices: list | None) -> str | None:
+    if len(hedged_letters(answer)) > 1:  # an option whose text is letters ("A and B") is that option
+        return _option_with_text(answer, choices)
     m = _LETTER.match(answer.strip())
     if m and (choices is None or LETTERS.index(m.group(1).upper()) < len(choices)):
         return m.group(1).upper()
-    if choices:
-        for letter, text in zip(LETTERS, choices):
-            if _norm(answer) == _norm(text):
-                return letter
+    return _option_with_text(answer, choices)
+
+
+def _option_with_text(answer: str, choices: list | None) -> str | None:
+    for letter, text in zip(LETTERS, choices or ()):
+        if _norm(answer) == _norm(text):
+            return letter
     return None
 
 
@@ -105,6 +133,8 @@ def verify(row: dict, response: str, **options) -> Grade:
         return Grade(0.0, True, "no_answer", "stem")
 
     if gold_letter is not None:
+        if len(hedged_letters(answer)) > 1 and _option_with_text(answer, choices) is None:
+            return Grade(0.0, True, "hedged_answer", "stem")
         letter = _letter_of(answer, choices)
         if letter is None:
             return Grade(0.0, True, "unparseable_answer", "stem")

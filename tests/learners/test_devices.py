@@ -26,11 +26,6 @@ from prorl_async.weight_sync import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _clean_env() -> dict:
-    """This process's environment without the torch.distributed world an in-process learner set up."""
-    return {k: v for k, v in os.environ.items()
-            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-
 
 def _gpus(n: int):
     return [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} CUDA GPU(s)")]
@@ -87,7 +82,7 @@ def test_deepspeed_reference_model_on_the_learner_device_with_kl(tiny_model, tmp
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "learners", "_ds_worker.py"),
                            str(tmp_path / "spec.json")], capture_output=True, text=True, timeout=900,
-                          env={**_clean_env(), "PYTHONPATH": ROOT, "TORCH_EXTENSIONS_DIR": ds_ext})
+                          env={**os.environ, "PYTHONPATH": ROOT, "TORCH_EXTENSIONS_DIR": ds_ext})
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = torch.load(tmp_path / "result-rank0.pt", weights_only=False)
     assert r["ref_device"].startswith(device)

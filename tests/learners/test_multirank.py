@@ -21,11 +21,6 @@ pytest.importorskip("deepspeed")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def _clean_env() -> dict:
-    """This process's environment without the torch.distributed world an in-process learner set up."""
-    return {k: v for k, v in os.environ.items()
-            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
 WORKER = os.path.join(ROOT, "tests", "learners", "_ds_worker.py")
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     torch.cuda.device_count() < 2, reason="NCCL between 2 ranks needs 2 GPUs")])]
@@ -43,7 +38,7 @@ def _run(tmp_path, ext_dir: str, name: str, **spec) -> list[dict]:
     path = out / "spec.json"
     path.write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, WORKER, str(path)], capture_output=True, text=True, timeout=900,
-                          env={**_clean_env(), "PYTHONPATH": ROOT, "TORCH_EXTENSIONS_DIR": ext_dir})
+                          env={**os.environ, "PYTHONPATH": ROOT, "TORCH_EXTENSIONS_DIR": ext_dir})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [torch.load(out / f"result-rank{r}.pt", weights_only=False) for r in range(spec["world"])]
 

@@ -229,3 +229,64 @@ def test_hostile_code_in_the_humaneval_form_is_contained(monkeypatch, body, reas
     assert runs[0].isolation == "root"
     assert leftover_processes(runs[0].session_id, runs[0].uid) == []
     assert not os.path.exists("/etc/prorl_check_escape_probe")
+
+
+# ---- reward hacking: leaving before the tests run, printing the answer without computing it
+
+MBPP_DOUBLE = {"asserts": ["assert double(1) == 2", "assert double(2) == 4", "assert double(5) == 10"]}
+RIGHT_DOUBLE = "def double(x):\n    return 2 * x\n"
+ROOMY = {"code_time_limit_s": 5.0, "code_total_time_s": 30.0}  # no case times out on a loaded machine
+
+
+@pytest.mark.parametrize("leave", [
+    "import sys\nsys.exit(0)\n", "import sys\nsys.exit()\n", "raise SystemExit\n", "raise SystemExit(0)\n",
+    "import os\nos._exit(0)\n", "import sys\nsys.stdout.flush()\nsys.exit(None)\n",
+])
+@pytest.mark.parametrize("where", ["after", "before"])
+def test_mbpp_form_an_exit_before_the_asserts_passes_none(leave, where):
+    program = RIGHT_DOUBLE + leave if where == "after" else leave + RIGHT_DOUBLE
+    assert grade(row(MBPP_DOUBLE), RIGHT_DOUBLE, **ROOMY).reward == 1.0  # the program itself is right
+    g = grade(row(MBPP_DOUBLE), f"```python\n{program}```", **ROOMY)
+    assert (g.reward, g.valid) == (0.0, True), g
+    assert g.reason in ("failed:error:exit_0", "failed:error:SystemExit"), g
+
+
+def test_mbpp_form_an_exit_inside_the_function_under_test_fails_that_assert():
+    program = "import sys\ndef double(x):\n    if x == 5:\n        sys.exit(0)\n    return 2 * x\n"
+    g = grade(row(MBPP_DOUBLE), program, **ROOMY)
+    assert g.reward == pytest.approx(2 / 3) and g.reason == "failed:error:exit_0"
+
+
+SQUARE_TESTS = [{"input": "3\n", "output": "9\n"}, {"input": "4\n", "output": "16\n"},
+                {"input": "-5\n", "output": "25\n"}, {"input": "0\n", "output": "0\n"}]
+
+
+def test_stdio_form_printing_one_expected_output_fails_the_other_cases():
+    right = grade(row(SQUARE_TESTS), "```python\nx = int(input())\nprint(x * x)\n```", **ROOMY)
+    assert right.reward == 1.0
+    for k, case in enumerate(SQUARE_TESTS):
+        printed = f"```python\nprint({case['output'].strip()!r})\n```"
+        g = grade(row(SQUARE_TESTS), printed, **ROOMY)
+        assert (g.reward, g.valid, g.reason) == (0.25, True, "failed:wrong_output"), (k, g)
+        assert grade(row(SQUARE_TESTS), printed, code_mode="all", **ROOMY).reward == 0.0
+
+
+def test_stdio_form_printing_every_expected_output_passes_none():
+    outputs = "".join(c["output"] for c in SQUARE_TESTS)
+    g = grade(row(SQUARE_TESTS), f"```python\nprint({outputs!r}, end='')\n```", **ROOMY)
+    assert (g.reward, g.reason) == (0.0, "failed:wrong_output")
+
+
+def test_stdio_form_exiting_before_printing_fails():
+    g = grade(row(SQUARE_TESTS), "```python\nimport sys\nsys.exit(0)\nx = int(input())\nprint(x * x)\n```", **ROOMY)
+    assert (g.reward, g.valid, g.reason) == (0.0, True, "failed:wrong_output")
+
+
+def test_stdio_form_limit_a_table_of_the_cases_inputs_passes_them():
+    # The documented limit (code.py's docstring): the grader sees outputs, not how they were made,
+    # so a program that looks its input up in a table of the row's cases passes them. Only cases
+    # the policy never sees (hidden tests, many inputs) defend against it.
+    table = {c["input"].strip(): c["output"].strip() for c in SQUARE_TESTS}
+    g = grade(row(SQUARE_TESTS), f"```python\nprint({table!r}[input().strip()])\n```", **ROOMY)
+    assert g.reward == 1.0
+    assert "table" in code_mod.__doc__ and "hidden" in code_mod.__doc__

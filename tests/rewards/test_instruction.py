@@ -94,3 +94,33 @@ def test_bad_kwargs_are_invalid(constraint):
 
 def test_missing_constraints_is_invalid():
     assert not grade({"id": "i", "domain": "instruction", "prompt": "?"}, "x").valid
+
+
+# ---- reward hacking: saying nothing satisfies every "do not" constraint
+
+SATISFIED_BY_NOTHING = [("no_commas", {}), ("keywords_exclude", {"keywords": ["very"]}),
+                        ("word_count", {"relation": "at most", "num": 50}),
+                        ("capital_word_frequency", {"relation": "less than", "num": 2}),
+                        ("letter_frequency", {"letter": "z", "relation": "at most", "num": 1})]
+
+
+@pytest.mark.parametrize("response", ["", "  \n\t", "<think>Let me think, then answer.</think>", "<think>ok</think>\n\n",
+                                      "<think>a long thought, cut at max length and never closed"])
+@pytest.mark.parametrize("mode", ["fraction", "all"])
+def test_an_empty_answer_satisfies_no_constraint(response, mode):
+    for constraint in SATISFIED_BY_NOTHING:
+        g = grade(irow(constraint), response, instruction_mode=mode)
+        assert (g.reward, g.valid, g.reason) == (0.0, True, "no_answer"), (constraint, g)
+    g = grade(irow(*SATISFIED_BY_NOTHING), response, instruction_mode=mode)
+    assert (g.reward, g.valid, g.reason) == (0.0, True, "no_answer")
+
+
+def test_a_short_answer_after_thinking_is_still_graded():
+    r = irow(("no_commas", {}), ("all_lowercase", {}))
+    assert grade(r, "<think>well, hm</think>yes").reward == 1.0
+    assert grade(r, "plain answer").reward == 1.0  # no thinking tags at all: the whole response
+
+
+def test_a_malformed_row_is_invalid_even_for_an_empty_answer():
+    g = grade(irow(("no_commas", {}), ("start_with", {})), "")
+    assert (g.valid, g.reason) == (False, "malformed_row:bad kwargs for start_with")

@@ -166,3 +166,15 @@ def test_group_samples_share_cached_verdicts():
     for _ in range(4):  # the n samples of one group, same final answer
         assert grade(row("\\frac{5}{7}"), "work... \\boxed{10/14}").reward == 1.0
     assert _equivalent.cache_info().hits == before + 3
+
+
+@pytest.mark.parametrize("gold,response", [
+    ("2", "\\boxed{2, 3}"), ("2", "\\boxed{1,2,3,4}"), ("2", "\\boxed{2 \\text{ or } 3}"), ("2", "\\boxed{2 or 3}"),
+    ("2", "\\boxed{x=2 \\text{ or } x=3}"), ("2", "\\boxed{\\{1,2,3\\}}"), ("2", "\\boxed{2; 3}"),
+    ("2", "\\boxed{2 \\lor 3}"), ("B", "\\boxed{A, B, C, D}"), ("B", "\\boxed{A or B}"),
+])
+def test_several_candidates_in_one_box_are_wrong(gold, response):
+    # a hedge contains the gold answer; Math-Verify compares the whole set/tuple, which is not it
+    g = grade(row(gold), response)
+    assert (g.reward, g.valid) == (0.0, True), g
+    assert grade(row(gold), f"\\boxed{{{gold}}}").reward == 1.0

@@ -83,3 +83,24 @@ def test_parse_number():
     assert parse_number("approximately 3.0 x 10^8 m/s") == pytest.approx(3.0e8)
     assert parse_number("-2.5e-3") == pytest.approx(-2.5e-3)
     assert parse_number("no digits") is None
+
+
+# ---- reward hacking: several candidates in one final answer
+
+@pytest.mark.parametrize("response", [
+    "\\boxed{A,B,C,D}", "\\boxed{A, B, C, D}", "\\boxed{A B C D}", "\\boxed{B or C}", "\\boxed{C or B}",
+    "\\boxed{B and C}", "\\boxed{Both B and C}", "\\boxed{B/C}", "\\boxed{(B)(C)}", "\\boxed{B. C.}",
+    "\\boxed{Options B, D}", "The answer is B or C", "Answer: (b) or (c)", "\\boxed{B or Z}",
+])
+def test_a_hedged_multiple_choice_answer_is_refused(response):
+    for row in (mc(), mc(answer="C", choices=None)):  # the gold letter is among the candidates
+        g = grade(row, response)
+        assert (g.reward, g.valid, g.reason) == (0.0, True, "hedged_answer"), (row, g)
+
+
+def test_one_candidate_written_twice_or_with_its_option_text_is_not_a_hedge():
+    assert grade(mc(), "\\boxed{B) 6.4 m/s}").reason == "correct"
+    assert grade(mc(), "\\boxed{(B)}").reason == "correct"
+    assert grade(mc(), "\\boxed{B or b}").reason == "correct"
+    # an option whose text names letters is that option, not a hedge
+    assert grade(mc(answer="D", choices=["1", "2", "3", "A and B"]), "\\boxed{A and B}").reason == "correct"
