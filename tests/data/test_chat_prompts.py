@@ -7,6 +7,7 @@ chat template, so the same transformers code path runs as for an instruct model'
 import pytest
 
 from prorl_async.data.datasets import load_rows
+from tests.offline import byte_level_tokenizer
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
@@ -14,16 +15,7 @@ TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% 
 
 @pytest.fixture(scope="module")
 def chat_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
-    fast.chat_template = TEMPLATE
-    return fast
+    return byte_level_tokenizer(TEMPLATE)
 
 
 def test_chat_prompts_of_humaneval_and_verl_rows_encode_to_template_ids(chat_tokenizer, tmp_path):

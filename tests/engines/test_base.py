@@ -3,30 +3,24 @@
 
 from __future__ import annotations
 
-import inspect
-
 from prorl_async.engines import make_engine
 from prorl_async.engines.base import Engine
 from prorl_async.engines.hf import HFEngine
 from prorl_async.engines.vllm import VLLMEngine
+from tests.offline import assert_defines_every_method, public_methods
 
 METHODS = {"generate", "abort", "init_weight_sync", "receive_weights", "weights_checksum"}
 ATTRIBUTES = {"tokenizer", "version", "weight_sync_ranks"}
 
 
 def test_the_protocol_lists_what_the_generator_actor_calls():
-    methods = {n for n, v in vars(Engine).items() if inspect.isfunction(v) and not n.startswith("_")}
+    methods = public_methods(Engine)
     assert methods == METHODS
     assert set(Engine.__annotations__) == ATTRIBUTES
 
 
 def test_every_engine_defines_every_method_with_the_protocols_parameters():
-    for cls in (HFEngine, VLLMEngine):
-        for name in METHODS:
-            own = vars(cls).get(name)
-            assert inspect.isfunction(own), f"{cls.__name__} does not define {name}"
-            want = list(inspect.signature(getattr(Engine, name)).parameters)
-            assert list(inspect.signature(own).parameters) == want, (cls.__name__, name)
+    assert_defines_every_method(Engine, (HFEngine, VLLMEngine), METHODS)
 
 
 def test_an_hf_engine_has_the_attributes_and_its_abort_is_a_no_op(tiny_model):

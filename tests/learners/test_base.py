@@ -4,39 +4,30 @@ themselves (no capability is probed with hasattr or getattr)."""
 
 from __future__ import annotations
 
-import inspect
-
 from prorl_async.learners.base import Learner, LearnerOps
 from prorl_async.learners.deepspeed import DeepSpeedLearner
 from prorl_async.learners.torch_learner import TorchLearner
+from tests.offline import assert_defines_every_method, public_methods
 
 METHODS = {"train_step", "named_tensors", "observe_validation", "base_optimizer", "save_model",
            "save_checkpoint", "load_checkpoint"}
 
 
 def test_the_protocol_lists_what_the_learner_actor_calls():
-    methods = {n for n, v in vars(Learner).items() if inspect.isfunction(v) and not n.startswith("_")}
+    methods = public_methods(Learner)
     assert methods == METHODS
     assert set(Learner.__annotations__) == {"device", "version"}
 
 
 def test_every_learner_defines_every_method_with_the_protocols_parameters():
-    for cls in (TorchLearner, DeepSpeedLearner):
-        for name in METHODS:
-            own = vars(cls).get(name)
-            assert inspect.isfunction(own), f"{cls.__name__} does not define {name}"
-            want = list(inspect.signature(getattr(Learner, name)).parameters)
-            assert list(inspect.signature(own).parameters) == want, (cls.__name__, name)
+    assert_defines_every_method(Learner, (TorchLearner, DeepSpeedLearner), METHODS)
 
 
 def test_every_learner_defines_what_the_update_loop_calls():
-    methods = {n for n, v in vars(LearnerOps).items() if inspect.isfunction(v) and not n.startswith("_")}
+    methods = public_methods(LearnerOps)
     assert methods == {"reduce", "zero_grad", "backward", "finish_update", "reset_reference"}
+    assert_defines_every_method(LearnerOps, (TorchLearner, DeepSpeedLearner), methods)
     for cls in (TorchLearner, DeepSpeedLearner):
-        for name in methods:
-            own = vars(cls).get(name)
-            assert inspect.isfunction(own), f"{cls.__name__} does not define {name}"
-            assert list(inspect.signature(own).parameters) == list(inspect.signature(getattr(LearnerOps, name)).parameters)
         assert isinstance(vars(cls).get("refused_updates"), property), cls.__name__  # no getattr of a guard
 
 
