@@ -92,7 +92,7 @@ def bench_pure(batches, groups_per_take: int) -> dict:
     taken_rows = taken_bytes = 0
     t0 = time.perf_counter()
     while True:
-        t, _ = buf.take(0, groups_per_take)
+        t = buf.take(0, groups_per_take).table
         if t is None:
             break
         taken_rows += t.num_rows

@@ -134,8 +134,7 @@ def test_replay_buffer_state_round_trip_through_parquet(tmp_path):
     b.load_state_dict({"table": pq.read_table(tmp_path / "buffer.parquet"), "counters": state["counters"]})
     assert len(b) == len(a) and b.metrics() == a.metrics()
     while len(a):
-        ta, _ = a.take(0, 1)
-        tb, _ = b.take(0, 1)
+        ta, tb = a.take(0, 1).table, b.take(0, 1).table
         assert ta.column("sample_id").to_pylist() == tb.column("sample_id").to_pylist()
 
 

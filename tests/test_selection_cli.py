@@ -81,6 +81,7 @@ def test_best_and_final_load_with_transformers_and_eval(best_run, tmp_path, mode
     assert r["pass@1"] == pytest.approx(best["value"])
 
 
+@pytest.mark.slow  # a CLI run of its own; kept out of the default suite for CI time (README: the slow tests)
 def test_a_resume_keeps_a_better_best(best_run, tmp_path):
     """best.json says a value no later evaluation can beat: the resumed run leaves best/ as it is."""
     run_dir, _ = best_run
@@ -96,6 +97,7 @@ def test_a_resume_keeps_a_better_best(best_run, tmp_path):
     assert json.loads((run_dir / "summary.json").read_text())["best"] == best
 
 
+@pytest.mark.slow  # a CLI run of its own; kept out of the default suite for CI time (README: the slow tests)
 def test_a_reachable_stop_rule_ends_the_run_early(tmp_path, model_cache):
     run_dir = tmp_path / "run"
     res = cli("train", *SMALL, "train.total_steps=6", "train.eval_interval=2", "train.stop_at=val/pass@1>=0",
