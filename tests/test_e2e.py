@@ -146,6 +146,7 @@ def test_weights_identical_after_sync(ray_cluster, tiny_model):
             ray.kill(a)
 
 
+@pytest.mark.slow  # a CLI run of its own; kept out of the default suite for CI time (README: the slow tests)
 def test_prompts_past_the_context_are_dropped_at_load_and_counted(tmp_path, model_cache):
     """Rows whose prompt + rollout.max_new_tokens exceed the model's context (tiny-arith: 2048) are
     dropped with one warning naming them, counted in the summary; the run trains on the rest."""
