@@ -259,7 +259,10 @@ def test_a_held_pool_is_readmitted_once_its_pass_rate_rises(tmp_path, warm_model
 
     summary = json.loads((run_dir / "summary.json").read_text())
     changes = summary["curriculum"]["gated:arith"]["changes"]
-    assert [c[:2] for c in changes] == [[0, "held"], [readmitted, "active"]], changes
+    assert [c[:2] for c in changes[:2]] == [[0, "held"], [readmitted, "active"]], changes
+    # a later hold (hysteresis at half of min_signal, on a small window) may come and go between two
+    # observations of one step, never for a step: seen once in CI, [5, held] then [5, active]
+    assert changes[-1][1] == "active" and all(changes[i][0] == changes[i + 1][0] for i in range(2, len(changes), 2)), changes
     # trained on only once the gate was open: nothing of it in the first two steps, some of it after
     trained = read_jsonl(run_dir / "trained_groups.jsonl")
     gated = [k for k, step in enumerate(trained, 1) for key in step if key.split("/", 1)[1].startswith("gated-")]
