@@ -121,7 +121,7 @@ class ReplayBuffer:
             self.counters["groups_in"] += 1
             reason = uninformative_reason(raw[idx], valid[idx], DEFAULT_TOL)
             pool = pools.setdefault(domains[idx[0]], [0, 0, 0.0, 0, 0])
-            for k, v in enumerate(group_counts(raw[idx], valid[idx], DEFAULT_TOL)):
+            for k, v in enumerate(group_counts(raw[idx], valid[idx], DEFAULT_TOL, reason)):
                 pool[k] += v
             if reason == "too_few_valid":
                 self.counters["groups_dropped_invalid"] += 1

@@ -80,15 +80,18 @@ def uninformative_reason(rewards: Sequence[float], valid: Sequence[bool], tol: f
 GROUP_COUNTS = ("groups", "signal_groups", "reward_sum", "samples", "solved_split_groups")
 
 
-def group_counts(rewards: Sequence[float], valid: Sequence[bool], tol: float = DEFAULT_TOL) -> list:
+def group_counts(rewards: Sequence[float], valid: Sequence[bool], tol: float = DEFAULT_TOL,
+                 reason: Optional[str] = "unknown") -> list:
     """One group's share of its pool's counts (:data:`GROUP_COUNTS`, what the curriculum reads):
     ``[1, has signal, sum of valid rewards, valid samples, splits solved]``. *Signal*: the valid
     rewards differ (what dynamic sampling keeps); *splits solved*: at least one valid sample is
-    fully correct (reward >= 1 - tol) and at least one is not, which partial credit alone never makes."""
+    fully correct (reward >= 1 - tol) and at least one is not, which partial credit alone never makes.
+    ``reason``: the group's :func:`uninformative_reason` where the caller has it already."""
+    if reason == "unknown":
+        reason = uninformative_reason(rewards, valid, tol)
     vals = [float(r) for r, v in zip(rewards, valid) if v]
     solved = sum(r >= 1.0 - tol for r in vals)
-    return [1, int(uninformative_reason(rewards, valid, tol) is None), float(sum(vals)), len(vals),
-            int(0 < solved < len(vals))]
+    return [1, int(reason is None), float(sum(vals)), len(vals), int(0 < solved < len(vals))]
 
 
 class DynamicSamplingCollector:
