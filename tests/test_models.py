@@ -79,3 +79,27 @@ def test_config_auto_resolves_once_for_engine_and_learner():
     assert cfg.model.dtype == expected == machine_dtype("auto")  # what every actor is handed
     with pytest.raises(ConfigError, match="model.dtype"):
         load_config(None, ["model.dtype=half"])
+
+
+def test_a_model_built_twice_at_once_is_published_once(tmp_path):
+    """Two processes (two runs, two test workers) that build the same model into one cache: the
+    first rename publishes it, the second finds it there, keeps it and drops its own copy."""
+    from prorl_async.models import _publish
+
+    out = tmp_path / "model"
+    for who in ("first", "second"):
+        tmp = tmp_path / f"model.tmp-{who}"
+        tmp.mkdir()
+        (tmp / "config.json").write_text(json.dumps({"by": who}))
+        _publish(tmp, out)
+        assert not tmp.exists()
+    assert json.loads((out / "config.json").read_text()) == {"by": "first"}
+    half = tmp_path / "half.tmp"
+    half.mkdir()
+    (half / "x").write_text("")
+    blocker = tmp_path / "half"
+    blocker.mkdir()
+    (blocker / "y").write_text("")  # a folder that is not a published model: refused, not deleted
+    with pytest.raises(OSError):
+        _publish(half, blocker)
+    assert half.exists() and blocker.exists()
