@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from prorl_async.config import ConfigError, config_to_dict, describe, load_config
@@ -42,13 +43,16 @@ def _resume(args):
 
 def _train(args) -> int:
     cfg, resume = _resume(args) if args.resume else (load_config(args.config, args.overrides), None)
-    from actors.driver import RunError, run  # Ray is imported only when a run starts
+    from actors.driver import RunError, Stopped, run  # Ray is imported only when a run starts
 
     try:
         summary = run(cfg, resume=resume)
     except RunError as e:  # a run that had to stop: one line, the checkpoint (if any) is intact
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except Stopped as e:  # SIGTERM: checkpointed; 128 + the signal's number, as a shell reports it
+        print(str(e), file=sys.stderr)
+        return 128 + signal.SIGTERM
     return 0 if summary else 1
 
 

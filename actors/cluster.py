@@ -8,6 +8,7 @@ re-forms the weight-sync group and gives it the current weights before it serves
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -30,6 +31,15 @@ from actors.replay_buffer import ReplayBufferActor
 
 class RunError(RuntimeError):
     """A run that cannot go on; the message says why."""
+
+
+class Stopped(Exception):
+    """The run stopped on a signal after writing a checkpoint; ``--resume`` continues it."""
+
+    def __init__(self, signal_name: str, step: int, run_dir):
+        super().__init__(f"stopped by {signal_name} at step {step}, with a checkpoint; continue with "
+                         f"`prorl-async train --resume {run_dir}`")
+        self.signal_name, self.step, self.run_dir = signal_name, step, run_dir
 
 
 def cause(err: Exception) -> str:
@@ -106,9 +116,39 @@ def init_ray(cfg: Config, log_dir: Path | None = None) -> bool:
         ray.init(address=address, logging_level=logging.WARNING, **output)
         return False
     local_cluster_auth()
-    ray.init(num_cpus=cfg.ray.num_cpus or None, include_dashboard=False, logging_level=logging.WARNING,
-             configure_logging=True, **output)
+    start_local_ray(num_cpus=cfg.ray.num_cpus or None, include_dashboard=False, logging_level=logging.WARNING,
+                    configure_logging=True, **output)
     return True
+
+
+NODE_START_TIMEOUT = "timed out during startup"  # ray.init's message when its node did not come up
+
+
+def start_local_ray(**init_kwargs) -> None:
+    """``ray.init`` of a new local cluster, tried a second time if its node did not come up. Ray
+    2.60's raylet waits a fixed 15 s for its dashboard agent's port file and exits when it is late
+    (ray-project/ray#65983), which a loaded machine can miss: a CI worker starting three runs at
+    once, a busy login node. The processes the failed start left behind (this process's children
+    since the call) are stopped before the second try; any other error is raised as it is."""
+    import psutil
+
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    try:
+        ray.init(**init_kwargs)
+        return
+    except Exception as e:  # ray.init raises a bare Exception for this one
+        if NODE_START_TIMEOUT not in str(e):
+            raise
+    left = [p for p in me.children(recursive=True) if p.pid not in before]
+    for p in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(left, timeout=10)
+    logging.getLogger("prorl_async").warning(
+        "Ray's local node did not start in time (its raylet gives the dashboard agent 15 s); "
+        "stopped %d processes of that start and trying once more", len(left))
+    ray.init(**init_kwargs)
 
 
 PLACEMENT_TIMEOUT_S = 300.0

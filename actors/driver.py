@@ -15,9 +15,12 @@ each periodic evaluation, so ``best/`` holds the evaluated weights and a stop la
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
+import signal
 import sys
+import threading
 import time
 from typing import Any, Optional
 
@@ -39,7 +42,7 @@ from prorl_async.staleness import plan_requests
 from prorl_async.tracking import Tracker, progress_line
 
 from actors import checkpointing
-from actors.cluster import Actors, RunError, cause, init_ray
+from actors.cluster import Actors, RunError, Stopped, cause, init_ray
 from actors.evaluation import StaleWeights, evaluate, held_out, preflight
 from actors.failures import (CALLED, EVALUATED, GRADER_METRICS, Count, EvaluateAgain, FailurePolicy, Reissue, Resync,
                              RunFacts, Stop)
@@ -73,7 +76,7 @@ class TrainingLoop:
 
     def _run(self) -> list[dict]:
         s, total = self.s, self.cfg.train.total_steps
-        while (s.version < total or s.training is not None) and not s.stop_reason:
+        while (s.version < total or s.training is not None) and not s.stop_reason and not s.signalled:
             if self.checkpoint_due():
                 self.checkpoint("interval")
                 continue
@@ -91,6 +94,9 @@ class TrainingLoop:
             if time.time() - s.last_progress > self.cfg.train.batch_timeout_s:
                 raise RunError(f"no progress for {self.cfg.train.batch_timeout_s:.0f}s (train.batch_timeout_s); "
                                f"{len(s.pending)} calls pending, buffer holds {s.buffered} groups")
+        if s.signalled:
+            print(f"{s.signalled}: nothing new starts; {len(s.pending)} calls in flight land, then a checkpoint "
+                  f"(send {s.signalled} again to stop at once)", flush=True)
         while s.pending:  # in-flight rollouts and the last weight sync land before the final evaluation
             self.handle_completions(timeout=self.cfg.train.sync_timeout_s)
         if s.resync_needed:  # a generator restarted after the last step: it gets the final weights
@@ -156,7 +162,7 @@ class TrainingLoop:
     # ------------------------------------------------------------ train -> broadcast
     def start_train_step(self) -> None:
         s, G = self.s, self.cfg.train.prompts_per_step
-        if s.training is not None or s.buffered < G or s.stop_reason:
+        if s.training is not None or s.buffered < G or s.stop_reason or s.signalled:
             return
         if (self.cfg.train.keep_best or self.stop_rule) and self.eval_due():
             return  # the learner keeps the evaluated weights (best/) and the stop lands on this step
@@ -397,6 +403,29 @@ def run_preflight(cfg: Config, actors: Actors, source: Curriculum) -> None:
     print(f"{table}\n(preflight: {time.time() - t0:.0f}s)", flush=True)
 
 
+@contextlib.contextmanager
+def stop_on_sigterm(s: LoopState):
+    """SIGTERM (what ``ray job stop``, Kubernetes and SLURM send before they kill) stops the run
+    cleanly: the loop starts nothing new, what is in flight lands, a checkpoint is written and
+    :class:`Stopped` ends the run (exit status 143); ``--resume`` continues it exactly. A second
+    SIGTERM stops at once, as SIGINT does: the newest checkpoint stays. The handler only sets a
+    flag, which the loop reads at least once a second."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+        yield
+        return
+
+    def on_sigterm(signum, _frame):
+        if s.signalled:
+            raise KeyboardInterrupt
+        s.signalled = signal.Signals(signum).name
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run(cfg: Config, resume=None) -> dict:
     """One training run; ``resume`` (a :class:`prorl_async.checkpoint.Checkpoint` of ``cfg.run_dir``)
     continues that run exactly where the checkpoint left it."""
@@ -436,7 +465,8 @@ def _run(cfg: Config, resume, run_dir, t0: float) -> dict:
         else:
             loop.observe_evaluation(before, 0, periodic=False)
         try:
-            history = loop.run()
+            with stop_on_sigterm(loop.s):
+                history = loop.run()
         except RunError:
             # a run that must stop keeps its last good state (the learner's weights are never
             # updated by a non-finite step), unless the learner itself is gone
@@ -447,6 +477,9 @@ def _run(cfg: Config, resume, run_dir, t0: float) -> dict:
                 except Exception as e:  # the stop reason matters more than this checkpoint
                     log.warning("no checkpoint at the stop: %s", cause(e))
             raise
+        if loop.s.signalled:  # the step in flight has landed: checkpoint and exit, no final evaluation
+            loop.checkpoint("signal")
+            raise Stopped(loop.s.signalled, loop.s.version, run_dir)
         loop.checkpoint("stop_at" if loop.s.stop_reason else "end")
         steps = loop.s.version
         after = held_out(cfg, actors, eval_rows, steps, tracker)

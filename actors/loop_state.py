@@ -74,6 +74,7 @@ class LoopState:
     buffer_dead: bool = False
     grader_down: bool = False    # a grader death was counted; cleared by the next graded request
     stop_reason: str = ""        # train.stop_at reached: why the run stops after this evaluation
+    signalled: str = ""          # SIGTERM's name once received: nothing new starts, a checkpoint, then exit
     eval_owed: bool = False      # an evaluation failed (a generator died): done again after the re-sync
     stopping: bool = False       # writing the stop checkpoint: failures are recorded, not raised again
     reissued: list = field(default_factory=list)   # prompt ids of requests re-issued after a failure

@@ -20,11 +20,13 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -282,22 +284,53 @@ def _launch(args: list[str], run_dir: Path, tmp: Path, model_cache: str):
                                            f"tracking.aim_repo={tmp / ('aim-' + run_dir.name)}"]  # not shared: concurrent
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     log = tmp / f"{run_dir.name}-{'resume' if '--resume' in args else 'first'}.log"
-    with open(log, "w") as f:
-        p = subprocess.Popen([str(exe), "train", *args, *extra], cwd=tmp, env=env, stdout=f, stderr=subprocess.STDOUT)
+    with open(log, "w") as f:  # its own process group: the run and the Ray cluster it starts (killpg)
+        p = subprocess.Popen([str(exe), "train", *args, *extra], cwd=tmp, env=env, stdout=f, stderr=subprocess.STDOUT,
+                             start_new_session=True)
     return p, log
 
 
-def _wait(procs: dict) -> None:
+def _wait(procs: dict, expect: dict | None = None) -> None:
     for name, (p, log) in procs.items():
         rc = p.wait(timeout=600)
-        assert rc == 0, f"{name} failed ({rc}): {log.read_text()[-4000:]}"
+        assert rc == (expect or {}).get(name, 0), f"{name} failed ({rc}): {log.read_text()[-4000:]}"
+
+
+def _started(proc, log: Path, run_dir: Path, deadline_s: float = 300) -> None:
+    """Wait until the run's Ray cluster is up and its actors started (their log files exist): the
+    runs start their clusters one after another, as a machine starting three at once can miss Ray's
+    start-up window (actors.cluster.start_local_ray)."""
+    end = time.time() + deadline_s
+    while not (run_dir / "logs" / "learner.log").exists():
+        assert proc.poll() is None, f"the run ended ({proc.returncode}) at its start: {log.read_text()[-3000:]}"
+        assert time.time() < end, f"its actors did not start in {deadline_s:.0f}s: {log.read_text()[-3000:]}"
+        time.sleep(0.2)
+
+
+def _signal_on(proc, log: Path, pattern: str, sig: signal.Signals, errors: list, deadline_s: float = 600) -> None:
+    """``sig`` as soon as the run's console has a line matching ``pattern`` (a watcher thread per run,
+    so a run is signalled while the others still start): SIGKILL to its whole process group (the CLI
+    and the Ray cluster it started: a crash), SIGTERM to the CLI alone (a stop)."""
+    line = re.compile(pattern, re.M)
+    end = time.time() + deadline_s
+    while not line.search(log.read_text(errors="replace")):
+        if proc.poll() is not None or time.time() > end:
+            errors.append(f"{log.name}: no line {pattern!r} before the run ended ({proc.returncode}) or "
+                          f"{deadline_s:.0f}s passed: {log.read_text()[-3000:]}")
+            return
+        time.sleep(0.05)
+    if sig == signal.SIGKILL:
+        os.killpg(proc.pid, signal.SIGKILL)
+    else:
+        proc.send_signal(sig)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, model_cache):
-    """Phase 1, concurrently: sync 6 steps straight, sync 4 steps, async 3 steps (checkpoints at 3
-    and 2 on the way); the last step of the short runs is then "lost" as in a crash; phase 2: both
-    resume from their mid-run checkpoint."""
+    """Phase 1, concurrently: sync 6 steps straight; sync 6 steps killed with SIGKILL (its process
+    group) right after its checkpoint at step 3; async 4 steps stopped with SIGTERM once step 1 is
+    done (the steps in flight land, a checkpoint at the step reached, exit 143). Phase 2: both
+    resume from their newest checkpoint, as `--resume` finds it."""
     import pyarrow.parquet as pq
 
     from prorl_async.config import ModelConfig
@@ -306,28 +339,40 @@ def runs(tmp_path_factory, model_cache):
     tmp = tmp_path_factory.mktemp("resume")
     build_tiny_arith(ModelConfig(cache_dir=model_cache, warmup_steps=200), log=lambda *_: None)  # once, not 3x
     d = {k: tmp / k for k in ("sync_straight", "sync_resumed", "async_resumed")}
-    _wait({name: _launch(args, d[name], tmp, model_cache)
-           for name, args in (("sync_straight", SYNC + ["train.total_steps=6"]),
-                              ("sync_resumed", SYNC + ["train.total_steps=4"]),
-                              ("async_resumed", ASYNC + ["train.total_steps=3"]))})
-    # a crash one step after the mid-run checkpoint: that step, its end checkpoint and outputs are lost
-    for name, step in (("sync_resumed", 3), ("async_resumed", 2)):
-        root = d[name] / "checkpoints"
-        assert [p.name for p in checkpoint.list_checkpoints(d[name])][-2:] == [checkpoint.step_name(step),
-                                                                              checkpoint.step_name(step + 1)]
-        shutil.rmtree(root / checkpoint.step_name(step + 1))
-        checkpoint.atomic_write_text(root / "latest", checkpoint.step_name(step) + "\n")
-        for f in ("summary.json", "trained_groups.jsonl"):
-            (d[name] / f).unlink()
-        shutil.rmtree(d[name] / "final")
+    procs, watchers, errors = {}, [], []
+    # the crash lands after the step-3 checkpoint, 3 steps before the run's end; the stop after step
+    # 1 of 4 (each window is seconds: the watchers poll every 50 ms)
+    signals = {"sync_resumed": (r"^checkpoint \S+step-000003 ", signal.SIGKILL),
+               "async_resumed": (r"^step\s+1/4 ", signal.SIGTERM)}
+    try:
+        for name, args in (("sync_straight", SYNC + ["train.total_steps=6"]),
+                           ("sync_resumed", SYNC + ["train.total_steps=6"]),
+                           ("async_resumed", ASYNC + ["train.total_steps=4"])):
+            procs[name] = _launch(args, d[name], tmp, model_cache)
+            if name in signals:
+                watchers.append(threading.Thread(target=_signal_on, args=(*procs[name], *signals[name], errors),
+                                                 daemon=True))
+                watchers[-1].start()
+            _started(*procs[name], d[name])
+        for w in watchers:
+            w.join(timeout=600)
+        assert not errors, errors
+        _wait(procs, expect={"sync_resumed": -signal.SIGKILL, "async_resumed": 128 + signal.SIGTERM})
+    finally:  # a failed wait leaves no run behind (each run is its own process group)
+        for p, _ in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    stopped_log = procs["async_resumed"][1].read_text()
     # the checkpoints the resumes start from, as they were
     first = {k: json.loads((checkpoint.load_latest(d[k]).path / "driver.json").read_text())
              for k in ("sync_resumed", "async_resumed")}
+    manifests = {k: checkpoint.load_latest(d[k]).manifest for k in first}
     buffered = pq.read_table(checkpoint.load_latest(d["async_resumed"]).path / "buffer.parquet")
     buffered = {f"{r['request_id']}/{r['prompt_id']}" for r in buffered.select(["request_id", "prompt_id"]).to_pylist()}
-    _wait({name: _launch(["--resume", str(d[name]), f"train.total_steps={total}"], d[name], tmp, model_cache)
-           for name, total in (("sync_resumed", 6), ("async_resumed", 4))})
-    return {"dirs": d, "first": first, "async_buffered": buffered}
+    killed_outputs = [f for f in ("summary.json", "trained_groups.jsonl", "final") if (d["sync_resumed"] / f).exists()]
+    _wait({name: _launch(["--resume", str(d[name])], d[name], tmp, model_cache) for name in ("sync_resumed", "async_resumed")})
+    return {"dirs": d, "first": first, "manifests": manifests, "async_buffered": buffered,
+            "stopped_log": stopped_log, "killed_outputs": killed_outputs}
 
 
 def _history(run_dir: Path) -> list[dict]:
@@ -348,9 +393,11 @@ def test_sync_resume_is_exact_across_an_epoch_boundary(runs):
 
     straight, resumed = runs["dirs"]["sync_straight"], runs["dirs"]["sync_resumed"]
     first = runs["first"]["sync_resumed"]
-    # the checkpoint sits exactly at the end of epoch 1 (24 of 12 prompts drawn)
+    # killed after its step-3 checkpoint: that is the newest, exactly at the end of epoch 1 (24 of 12
+    # prompts drawn), and the run wrote none of its end-of-run outputs
     assert first["version"] == 3 and first["source"] == {"epoch": 1, "pos": 12, "consumed": 24, "seed": 0,
                                                        "order": "seed-epoch"}
+    assert runs["killed_outputs"] == []
     # same steps, same prompts per step, same per-step metrics (timings aside), bit for bit
     hs, hr = _history(straight), _history(resumed)
     assert [h["step"] for h in hr] == [h["step"] for h in hs] == [1, 2, 3, 4, 5, 6]
@@ -375,6 +422,14 @@ def test_sync_resume_is_exact_across_an_epoch_boundary(runs):
 
 def test_async_resume_completes_and_trains_no_sample_twice(runs):
     resumed = runs["dirs"]["async_resumed"]
+    first, manifest = runs["first"]["async_resumed"], runs["manifests"]["async_resumed"]
+    # SIGTERM after step 1: what was in flight landed (a train step in flight finished), the
+    # checkpoint holds the step reached, and the CLI said how to continue
+    v = first["version"]
+    assert 1 <= v < 4 and manifest["reason"] in ("signal", "interval"), manifest  # interval: step 2 had one
+    log = runs["stopped_log"]
+    assert "SIGTERM: nothing new starts" in log and f"stopped by SIGTERM at step {v}, with a checkpoint" in log
+    assert f"prorl-async train --resume {resumed}" in log
     h = _history(resumed)
     assert [x["step"] for x in h] == [1, 2, 3, 4]
     assert all(x["async/trained_staleness_max"] <= 1 for x in h)
@@ -382,9 +437,8 @@ def test_async_resume_completes_and_trains_no_sample_twice(runs):
     flat = [g for step in groups for g in step]
     assert [len(s) for s in groups] == [8] * 4 and len(set(flat)) == len(flat)
     # what the checkpoint's buffer held was trained after the resume, not lost
-    assert runs["async_buffered"] <= set(g for step in groups[2:] for g in step)
-    first = runs["first"]["async_resumed"]
-    assert first["consumed"] == 16 and first["live"] == first["buffered"] == len(runs["async_buffered"])
+    assert runs["async_buffered"] <= set(g for step in groups[v:] for g in step)
+    assert first["consumed"] == 8 * v and first["live"] == first["buffered"] == len(runs["async_buffered"])
     summary = json.loads((resumed / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["prompts_consumed"] >= first["source"]["consumed"]
 
