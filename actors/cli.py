@@ -43,7 +43,8 @@ def _resume(args):
 
 def _train(args) -> int:
     cfg, resume = _resume(args) if args.resume else (load_config(args.config, args.overrides), None)
-    from actors.driver import RunError, Stopped, run  # Ray is imported only when a run starts
+    from actors.driver import RunError, run  # Ray is imported only when a run starts
+    from actors.stopping import Stopped
 
     try:
         summary = run(cfg, resume=resume)

@@ -19,7 +19,8 @@ from pathlib import Path
 import ray
 
 from prorl_async import console
-from prorl_async.config import Config, actor_runtime_env
+from prorl_async.config import Config
+from prorl_async.machine import actor_runtime_env
 from prorl_async.learners.core import NonFiniteStepError
 
 from actors.failures import Failure
@@ -31,15 +32,6 @@ from actors.replay_buffer import ReplayBufferActor
 
 class RunError(RuntimeError):
     """A run that cannot go on; the message says why."""
-
-
-class Stopped(Exception):
-    """The run stopped on a signal after writing a checkpoint; ``--resume`` continues it."""
-
-    def __init__(self, signal_name: str, step: int, run_dir):
-        super().__init__(f"stopped by {signal_name} at step {step}, with a checkpoint; continue with "
-                         f"`prorl-async train --resume {run_dir}`")
-        self.signal_name, self.step, self.run_dir = signal_name, step, run_dir
 
 
 def cause(err: Exception) -> str:

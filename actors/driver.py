@@ -15,12 +15,9 @@ each periodic evaluation, so ``best/`` holds the evaluated weights and a stop la
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
-import signal
 import sys
-import threading
 import time
 from typing import Any, Optional
 
@@ -42,13 +39,14 @@ from prorl_async.staleness import plan_requests
 from prorl_async.tracking import Tracker, progress_line
 
 from actors import checkpointing
-from actors.cluster import Actors, RunError, Stopped, cause, init_ray
+from actors.cluster import Actors, RunError, cause, init_ray
 from actors.evaluation import StaleWeights, evaluate, held_out, preflight
 from actors.failures import (CALLED, EVALUATED, GRADER_METRICS, Count, EvaluateAgain, FailurePolicy, Reissue, Resync,
                              RunFacts, Stop)
 from actors.loop_state import (BUFFERED, GENERATED, RECEIVED, SENT, TRAINED, LoopState, Pending, Request,
                                zero_sums)
 from actors.replay_buffer import TakeRefs
+from actors.stopping import Stopped, stop_on_sigterm
 
 log = logging.getLogger("prorl_async")
 
@@ -401,29 +399,6 @@ def run_preflight(cfg: Config, actors: Actors, source: Curriculum) -> None:
     except NoSignal as err:
         raise RunError(str(err)) from None
     print(f"{table}\n(preflight: {time.time() - t0:.0f}s)", flush=True)
-
-
-@contextlib.contextmanager
-def stop_on_sigterm(s: LoopState):
-    """SIGTERM (what ``ray job stop``, Kubernetes and SLURM send before they kill) stops the run
-    cleanly: the loop starts nothing new, what is in flight lands, a checkpoint is written and
-    :class:`Stopped` ends the run (exit status 143); ``--resume`` continues it exactly. A second
-    SIGTERM stops at once, as SIGINT does: the newest checkpoint stays. The handler only sets a
-    flag, which the loop reads at least once a second."""
-    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
-        yield
-        return
-
-    def on_sigterm(signum, _frame):
-        if s.signalled:
-            raise KeyboardInterrupt
-        s.signalled = signal.Signals(signum).name
-
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def run(cfg: Config, resume=None) -> dict:

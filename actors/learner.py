@@ -9,7 +9,7 @@ import ray
 import torch
 
 from actors.replay_buffer import BatchRefs
-from prorl_async.config import actor_runtime_env
+from prorl_async.machine import actor_runtime_env
 from prorl_async.console import with_role
 from prorl_async.learners import make_learner
 from prorl_async.learners.base import Learner

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import yaml
 
 from prorl_async.algo import ADVANTAGE_ESTIMATORS, IS_MODES, KL_KINDS, OVERLONG_MODES
-from prorl_async.machine import MachineFacts, probe_machine
+from prorl_async.machine import MachineFacts, machine_omp_wait_policy, probe_machine
 from prorl_async.selection import MODES as KEEP_BEST_MODES, check_metric, parse_stop_at
 
 #: ``train.compile`` (prorl_async.learners.compile)
@@ -336,7 +336,7 @@ def resolve_auto(cfg: Config, machine: MachineFacts) -> Config:
     """``model.dtype: auto`` -> bfloat16 where ``machine`` computes bf16 natively (a CUDA GPU, or
     a CPU with AMX / AVX-512 bf16), else float32 (the rule of :func:`prorl_async.models.resolve_dtype`),
     so that the engines and the learner (and the saved config) see one concrete dtype;
-    ``ray.omp_wait_policy: auto`` -> :func:`machine_omp_wait_policy`."""
+    ``ray.omp_wait_policy: auto`` -> :func:`prorl_async.machine.machine_omp_wait_policy`."""
     if cfg.model.dtype == "auto":
         if machine.bf16 is None:
             raise ValueError("model.dtype=auto: the machine facts lack bf16; probe them with "
@@ -347,33 +347,6 @@ def resolve_auto(cfg: Config, machine: MachineFacts) -> Config:
         policy = machine_omp_wait_policy(cfg, machine)
         cfg = dataclasses.replace(cfg, ray=dataclasses.replace(cfg.ray, omp_wait_policy=policy))
     return cfg
-
-
-def machine_omp_wait_policy(cfg: Config, machine: MachineFacts) -> str:
-    """``passive`` when the torch threads of the run's CPU actors (learners, generators) together
-    outnumber this machine's CPUs, else ``keep``; ``keep`` too when ``OMP_WAIT_POLICY`` is set.
-
-    libgomp lets a thread that waits at a barrier spin (300,000 polls) before it sleeps, and
-    throttles that when one process has more threads than CPUs; it cannot see the other actors.
-    A learner and a generator of 2 threads each on 2 cores would spin on the cores the other
-    one's threads need, at every parallel region."""
-    if machine.omp_wait_policy_set:
-        return "keep"
-    t, r = cfg.train, cfg.rollout
-    threads = (t.num_threads * t.num_learners if t.learner_num_gpus == 0 else 0) + \
-        (r.num_generators * (r.num_threads or t.num_threads) if r.generator_num_gpus == 0 else 0)
-    return "passive" if threads > machine.cpus else "keep"
-
-
-def actor_runtime_env(cfg: Config) -> dict:
-    """Ray options for a learner or generator actor: ``runtime_env`` with ``OMP_WAIT_POLICY``
-    (set before the process starts: libgomp reads it when torch loads), or nothing for ``keep``."""
-    policy = cfg.ray.omp_wait_policy
-    if policy == "auto":
-        policy = machine_omp_wait_policy(cfg, probe_machine(bf16=False))
-    if policy == "keep":
-        return {}
-    return {"runtime_env": {"env_vars": {"OMP_WAIT_POLICY": policy.upper()}}}
 
 
 def _one_of(value, choices, key: str) -> None:

@@ -1,12 +1,16 @@
 """What this machine is, for the config's ``auto`` settings: the facts are probed here
 (:func:`probe_machine`) and resolved by :func:`prorl_async.config.resolve_auto`, which reads no
-hardware itself. Imports nothing of the project; torch only when CUDA is asked about."""
+hardware itself; and what a run's CPU actors need from this machine (:func:`machine_omp_wait_policy`,
+:func:`actor_runtime_env`). Imports nothing of the project; torch only when CUDA is asked about."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:  # annotations only: the config imports this module
+    from prorl_async.config import Config
 
 #: CPU flags of native bf16 matmul (without them a bf16 matmul runs ~100x slower than fp32 on AVX2)
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
@@ -41,3 +45,30 @@ def probe_machine(bf16: bool = True) -> MachineFacts:
         native = torch.cuda.is_available() or any(f in cpu_flags() for f in BF16_CPU_FLAGS)
     return MachineFacts(cpus=len(os.sched_getaffinity(0)), omp_wait_policy_set="OMP_WAIT_POLICY" in os.environ,
                         bf16=native)
+
+
+def machine_omp_wait_policy(cfg: Config, machine: MachineFacts) -> str:
+    """``passive`` when the torch threads of the run's CPU actors (learners, generators) together
+    outnumber this machine's CPUs, else ``keep``; ``keep`` too when ``OMP_WAIT_POLICY`` is set.
+
+    libgomp lets a thread that waits at a barrier spin (300,000 polls) before it sleeps, and
+    throttles that when one process has more threads than CPUs; it cannot see the other actors.
+    A learner and a generator of 2 threads each on 2 cores would spin on the cores the other
+    one's threads need, at every parallel region."""
+    if machine.omp_wait_policy_set:
+        return "keep"
+    t, r = cfg.train, cfg.rollout
+    threads = (t.num_threads * t.num_learners if t.learner_num_gpus == 0 else 0) + \
+        (r.num_generators * (r.num_threads or t.num_threads) if r.generator_num_gpus == 0 else 0)
+    return "passive" if threads > machine.cpus else "keep"
+
+
+def actor_runtime_env(cfg: Config) -> dict[str, Any]:
+    """Ray options for a learner or generator actor: ``runtime_env`` with ``OMP_WAIT_POLICY``
+    (set before the process starts: libgomp reads it when torch loads), or nothing for ``keep``."""
+    policy = cfg.ray.omp_wait_policy
+    if policy == "auto":
+        policy = machine_omp_wait_policy(cfg, probe_machine(bf16=False))
+    if policy == "keep":
+        return {}
+    return {"runtime_env": {"env_vars": {"OMP_WAIT_POLICY": policy.upper()}}}

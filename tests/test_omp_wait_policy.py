@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from prorl_async.config import ConfigError, actor_runtime_env, load_config
+from prorl_async.config import ConfigError, load_config
+from prorl_async.machine import actor_runtime_env
 
 CPUS = len(os.sched_getaffinity(0))
 

@@ -1,0 +1,43 @@
+"""How a run stops on a signal: SIGTERM (what ``ray job stop``, Kubernetes and SLURM send before
+they kill) asks the loop to stop after what is in flight, with a checkpoint (:func:`stop_on_sigterm`);
+the run then ends with :class:`Stopped`, which the CLI turns into exit status 143."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+from actors.loop_state import LoopState
+
+
+class Stopped(Exception):
+    """The run stopped on a signal after writing a checkpoint; ``--resume`` continues it."""
+
+    def __init__(self, signal_name: str, step: int, run_dir):
+        super().__init__(f"stopped by {signal_name} at step {step}, with a checkpoint; continue with "
+                         f"`prorl-async train --resume {run_dir}`")
+        self.signal_name, self.step, self.run_dir = signal_name, step, run_dir
+
+
+@contextlib.contextmanager
+def stop_on_sigterm(s: LoopState):
+    """SIGTERM (what ``ray job stop``, Kubernetes and SLURM send before they kill) stops the run
+    cleanly: the loop starts nothing new, what is in flight lands, a checkpoint is written and
+    :class:`Stopped` ends the run (exit status 143); ``--resume`` continues it exactly. A second
+    SIGTERM stops at once, as SIGINT does: the newest checkpoint stays. The handler only sets a
+    flag, which the loop reads at least once a second."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+        yield
+        return
+
+    def on_sigterm(signum, _frame):
+        if s.signalled:
+            raise KeyboardInterrupt
+        s.signalled = signal.Signals(signum).name
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
