@@ -62,6 +62,7 @@ from prorl_async.algo.mismatch import mismatch_metrics, mismatch_stats
 from prorl_async.algo.reference import ReferenceResetPolicy
 from prorl_async.algo.shaping import LengthPenaltySchedule
 from prorl_async.learners.batch import learner_columns, prepare_batch
+from prorl_async.ledger import step_rows
 from prorl_async.learners.logprobs import packed_token_logprobs, padded_token_logprobs
 from prorl_async.learners.packing import plan_micro_batches, plan_shared_micro_batches
 
@@ -167,6 +168,7 @@ class LearnerCore:
 
     def __init__(self, cfg: Config, ops: LearnerOps):
         self.cfg, self.ops = cfg, ops
+        self.last_rows: Optional[pa.Table] = None  # the last step's ledger rows (prorl_async.ledger)
 
     @property
     def packing(self) -> bool:
@@ -234,9 +236,12 @@ class LearnerCore:
         o = self.ops
         step = o.version if step is None else step
         t0 = time.perf_counter()
+        full = table
         table = learner_columns(table)  # display columns (response_text ...) are dropped here, zero-copy
         b, shape_metrics = prepare_batch(table, o.pad_id, self.cfg, step, o.length_schedule, stats_reduce=stats_reduce)
         metrics = self.train_step(b, o.ref, step, o.version)
+        # the ledger's rows of this step (train.record_rollouts), before a reset replaces the reference
+        self.last_rows = step_rows(full, b, step + 1, self.cfg) if self.cfg.train.record_rollouts else None
         if metrics["actor/updates"]:
             o.lr_sched.step()
         o.version += 1
@@ -323,6 +328,7 @@ class LearnerCore:
             "is/nonfinite_behavior_samples": float(o.reduce(b["beh_bad"].sum().double().reshape(1), "sum")),
         })
         metrics.update(self.mismatch(b, start_lp, seen, version))
+        b["start_logprobs"], b["ref_logprobs"] = start_lp, ref_all  # what the ledger records
         return metrics
 
     def mismatch(self, b: dict, learner_lp: torch.Tensor, seen: torch.Tensor, version: int) -> dict[str, float]:
