@@ -101,13 +101,13 @@ def _bench(args) -> int:
 
 
 def _replay(args) -> int:
-    from prorl_async.replay import dump_json, replay
+    from prorl_async.replay import dump_json, replay, step_range
 
     result = replay(args.run_dir, args.step)
     print(result.table())
     if result.reapplied:
-        print(f"re-applied steps {result.reapplied[0]}..{result.reapplied[-1]}: largest relative difference to their "
-              f"logged metrics {result.worst_reapplied:.2e}")
+        print(f"re-applied {step_range(result.reapplied[0], result.reapplied[-1])}: largest relative difference to "
+              f"their logged metrics {result.worst_reapplied:.2e}")
     if args.out:
         dump_json(result, args.out)
     if result.ok(args.rtol):

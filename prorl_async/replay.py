@@ -72,6 +72,10 @@ class ReplayResult:
                 "compared": {c.metric: {"logged": c.logged, "replayed": c.replayed, "rel": c.rel} for c in self.compared}}
 
 
+def step_range(a: int, b: int) -> str:
+    return f"step {a}" if a == b else f"steps {a}..{b}"
+
+
 def read_run_history(run_dir: Path) -> dict[int, dict]:
     """``history.jsonl`` of the run (or, if newer, of its newest checkpoint) by step."""
     from prorl_async.outputs import HISTORY, read_history
@@ -133,7 +137,7 @@ def replay(run_dir, step: int, log: Callable[[str], None] = print) -> ReplayResu
         learner = TorchLearner(cfg, str(ck.path / "policy"), device=device)
         learner.load_checkpoint(ck.path)
         first, start = ck.version + 1, str(ck.path)
-    log(f"replay of step {step}: from {start}" + (f", re-applying steps {first}..{step - 1} from the ledger"
+    log(f"replay of step {step}: from {start}" + (f", re-applying {step_range(first, step - 1)} from the ledger"
                                                   if first < step else ""))
     history = read_run_history(run_dir)
     worst, metrics = 0.0, {}
@@ -148,7 +152,18 @@ def replay(run_dir, step: int, log: Callable[[str], None] = print) -> ReplayResu
                                    if m in metrics and history[k].get(m) is not None])
     logged = history.get(step, {})
     compared = [Compared(m, logged.get(m), float(metrics[m])) for m in COMPARED if m in metrics]
+    a = cfg.algo  # the step's loss: what its updates minimised, token-mean over its mini-batches
+    replayed_loss = total_loss(metrics, a.kl_coef, a.entropy_coef)
+    if replayed_loss is not None:
+        compared.insert(0, Compared("loss", total_loss(logged, a.kl_coef, a.entropy_coef), replayed_loss))
     return ReplayResult(step, start, list(range(first, step)), compared, worst)
+
+
+def total_loss(m: dict, kl_coef: float, entropy_coef: float) -> Optional[float]:
+    """``actor/pg_loss + kl_coef * kl/loss_term - entropy_coef * actor/entropy`` of a step's metrics."""
+    if m.get("actor/pg_loss") is None:
+        return None
+    return float(m["actor/pg_loss"] + kl_coef * m.get("kl/loss_term", 0.0) - entropy_coef * m.get("actor/entropy", 0.0))
 
 
 def reset_step(run_dir, reset: int) -> tuple[int, str]:
