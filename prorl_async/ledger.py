@@ -76,6 +76,11 @@ LEDGER_SCHEMA = pa.schema([
 ])
 
 
+#: the prepared-batch tensors :func:`step_rows` reads (the learner keeps these until it is asked)
+LEDGER_INPUTS = ("lengths", "start_logprobs", "behavior_logprobs", "mask", "ref_logprobs", "raw_reward", "valid",
+                 "reward", "advantages")
+
+
 class LedgerError(ValueError):
     """A missing or unusable ledger / step; the message names it and the fix."""
 

@@ -223,7 +223,7 @@ class DeepSpeedLearner:
             _base_optimizer(self.opt).state.clear()
 
     def ledger_rows(self) -> Optional[pa.Table]:
-        return self.core.last_rows
+        return self.core.ledger_rows()
 
     def observe_validation(self, step: int, score: float) -> Optional[str]:
         cause = self.ref_policy.update(step, val_score=score)

@@ -125,7 +125,7 @@ class TorchLearner:
 
     # ------------------------------------------------------------------ reference, weights
     def ledger_rows(self) -> Optional[pa.Table]:
-        return self.core.last_rows
+        return self.core.ledger_rows()
 
     @torch.no_grad()
     def reset_reference(self, cause: str) -> None:
