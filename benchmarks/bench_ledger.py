@@ -35,6 +35,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=2, help="runs per setting (order on, off, off, on, ...)")
     p.add_argument("--overrides", default="", help="comma-separated extra overrides, e.g. rollout.n=4")
     p.add_argument("--quick", action="store_true", help="8 steps, one run per setting")
+    p.add_argument("--only", choices=("on", "off"), default=None, help="run one setting only (--repeats times)")
     return p.parse_args(argv)
 
 
@@ -73,7 +74,10 @@ def main(argv=None) -> int:
     extra = [o for o in args.overrides.split(",") if o]
     order = []
     for i in range(repeats):
-        order += [True, False] if i % 2 == 0 else [False, True]
+        if args.only:
+            order.append(args.only == "on")
+        else:
+            order += [True, False] if i % 2 == 0 else [False, True]
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-ledger-") as tmp:
         for i, record in enumerate(order):
@@ -83,16 +87,17 @@ def main(argv=None) -> int:
     on = [r for r in rows if r["record"]]
     off = [r for r in rows if not r["record"]]
     summary = {
-        "ledger_frac_of_step": statistics.mean(r["ledger_frac"] for r in on),
-        "step_on_over_off": statistics.mean(r["step_s"] for r in on) / statistics.mean(r["step_s"] for r in off),
-        "train_s_on_over_off": statistics.mean(r["train_s"] for r in on) / statistics.mean(r["train_s"] for r in off),
+        "ledger_frac_of_step": statistics.mean(r["ledger_frac"] for r in on) if on else None,
+        "step_on_over_off": statistics.mean(r["step_s"] for r in on) / statistics.mean(r["step_s"] for r in off)
+        if on and off else None,
+        "train_s_on_over_off": statistics.mean(r["train_s"] for r in on) / statistics.mean(r["train_s"] for r in off)
+        if on and off else None,
     }
     print(table(rows, [("run", "run", "{}"), ("step_s", "step s (median)", "{:.3f}"),
                        ("train_s", "learner train_s", "{:.3f}"), ("ledger_s", "ledger s", "{:.4f}"),
                        ("ledger_frac", "ledger / step", "{:.2%}"), ("file_kb", "file KiB", "{:.0f}"),
                        ("bytes_per_token", "B/token", "{:.0f}")]))
-    print(f"ledger / step time {summary['ledger_frac_of_step']:.2%}; median step on/off "
-          f"{summary['step_on_over_off']:.3f}; learner train_s on/off {summary['train_s_on_over_off']:.3f}")
+    print(f"summary: {json.dumps(summary)}")
     m = machine()
     print(f"machine: {m['cpu']}, {m['cores']} cores")
     write_json("bench_ledger", {"machine": m, "config": args.config, "steps": steps, "overrides": extra,
