@@ -1,4 +1,4 @@
-"""``prorl-async``: train | eval | config | compare (the command-line entry point, above the Ray layer).
+"""``prorl-async``: train | eval | config | compare | bench | replay | ledger (the command-line entry point, above the Ray layer).
 
     prorl-async train                                   # the embedded default (tiny CPU run)
     prorl-async train --config configs/x.yaml algo.clip_eps_high=0.28 rollout.n=8
@@ -8,6 +8,8 @@
     prorl-async config [--config X] [overrides]         # print the resolved config / field docs
     prorl-async compare runs/a runs/b --out cmp.png     # runs side by side (run dirs or Aim hashes)
     prorl-async bench --quick [--only weight_sync,buffer] [--out DIR]   # the benchmarks' ratio table
+    prorl-async replay runs/x --step 42                 # recompute step 42's loss, KL, grad norm from the ledger
+    prorl-async ledger runs/x --reset 2 --top 10        # the samples that drove the KL before reset 2
 
 The console holds the project's lines only; what the engines, DeepSpeed, torch and Ray print goes to
 ``<run_dir>/logs/`` (:mod:`prorl_async.console`) unless ``--verbose``.
@@ -22,6 +24,7 @@ import argparse
 import os
 import signal
 import sys
+from pathlib import Path
 
 from prorl_async.config import ConfigError, config_to_dict, describe, load_config
 from prorl_async.console import VERBOSE_ENV
@@ -102,6 +105,50 @@ def _bench(args) -> int:
     return run_bench(args.quick, only=args.only, out=args.out, timeout=args.timeout, bench_dir=args.bench_dir)
 
 
+def _replay(args) -> int:
+    from prorl_async.replay import dump_json, replay, step_range
+
+    result = replay(args.run_dir, args.step)
+    print(result.table())
+    if result.reapplied:
+        print(f"re-applied {step_range(result.reapplied[0], result.reapplied[-1])}: largest relative difference to "
+              f"their logged metrics {result.worst_reapplied:.2e}")
+    if args.out:
+        dump_json(result, args.out)
+    if result.ok(args.rtol):
+        print(f"step {result.step} reproduced (relative tolerance {args.rtol:g})")
+        return 0
+    print(f"error: step {result.step} differs from the logged values by more than the relative tolerance {args.rtol:g}",
+          file=sys.stderr)
+    return 1
+
+
+def _ledger(args) -> int:
+    from prorl_async.ledger import RANKINGS, read_step, top_samples
+    from prorl_async.replay import read_run_history, reset_step
+
+    if (args.step is None) == (args.reset is None):
+        raise ValueError("pass exactly one of --step N or --reset R")
+    if args.top < 1:
+        raise ValueError(f"--top must be >= 1, got {args.top}")
+    if args.reset is not None:
+        step, cause = reset_step(args.run_dir, args.reset)
+        head = f"reset {args.reset} ({cause}) came after step {step}"
+    else:
+        step, head = args.step, f"step {args.step}"
+    rows, _ = read_step(args.run_dir, step)
+    logged = read_run_history(Path(args.run_dir)).get(step, {})
+    kl = logged.get("kl/loss_term")
+    print(f"{head}: {rows.num_rows} samples trained" + (f", kl/loss_term {kl:.4g}" if kl is not None else "")
+          + f"; top {args.top} by {RANKINGS[args.by]}")
+    print(f"{'share':>7} {'score':>10}  {'version':>7} {'len':>4} {'reward':>6}  {'verdict':<8} {'sample_id':<28} response")
+    for r in top_samples(rows, args.by, args.top):
+        text = (r["response_text"] or "").replace("\n", " ")[:60]
+        print(f"{r['share']:>7.1%} {r['score']:>10.4g}  {r['policy_version']:>7} {r['response_len']:>4} "
+              f"{r['raw_reward']:>6.2f}  {r['verdict']:<8} {r['sample_id']:<28} {text}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prorl-async", description="ProRL v2 asynchronous RL on Ray")
     sub = p.add_subparsers(dest="command", required=True)
@@ -145,6 +192,23 @@ def build_parser() -> argparse.ArgumentParser:
                    "reported as failed (default: 300 with --quick, none otherwise)")
     b.add_argument("--bench-dir", default="", help="the benchmarks/ folder (default: the one next to this package)")
     b.set_defaults(fn=_bench)
+    r = sub.add_parser("replay", help="recompute a step's loss, KL and gradient norm from the checkpoint before it and "
+                       "the ledger, and compare them with the logged values")
+    r.add_argument("run_dir", metavar="RUN_DIR")
+    r.add_argument("--step", type=int, required=True, help="history step N (the update that made policy version N)")
+    r.add_argument("--rtol", type=float, default=1e-6, help="relative tolerance of the comparison (default 1e-6: "
+                   "exact on CPU fp32; 1e-3 where kernels are not deterministic)")
+    r.add_argument("--out", default="", help="also write the comparison as JSON")
+    r.set_defaults(fn=_replay)
+    g = sub.add_parser("ledger", help="the samples of one trained step that weigh most (KL, advantage, importance "
+                       "weight, mismatch), from the ledger")
+    g.add_argument("run_dir", metavar="RUN_DIR")
+    g.add_argument("--step", type=int, default=None, help="history step N")
+    g.add_argument("--reset", type=int, default=None, help="the step whose update was followed by the R-th reference reset")
+    g.add_argument("--top", type=int, default=10, help="samples shown (default 10)")
+    g.add_argument("--by", default="kl", choices=("kl", "advantage", "is_weight", "mismatch"),
+                   help="ranking (default kl: each sample's KL to the reference summed over its tokens)")
+    g.set_defaults(fn=_ledger)
     return p
 
 

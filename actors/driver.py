@@ -428,6 +428,8 @@ def _run(cfg: Config, resume, run_dir, t0: float) -> dict:
         tracker = Tracker(cfg.tracking.aim_repo, cfg.tracking.experiment, cfg.tracking.run_name or run_dir.name,
                           config_to_dict(cfg), enabled=cfg.tracking.enabled, run_hash=checkpointing.aim_hash(resume))
         actors = Actors.start(cfg, model_path, name=f"prorl-{run_dir.name}")
+        if cfg.train.record_rollouts:  # the ledger of every trained token (prorl_async.ledger)
+            ray.get(actors.learner.record_ledger.remote(str(run_dir.resolve())))
         if isinstance(source, Curriculum) and resume is None:
             run_preflight(cfg, actors, source)
             tracker.track(source.metrics(), 0)

@@ -5,6 +5,8 @@ weight-sync group) behind the same calls the driver makes on a single learner.""
 
 from __future__ import annotations
 
+import time
+
 import ray
 import torch
 
@@ -15,6 +17,7 @@ from prorl_async.learners import make_learner
 from prorl_async.learners.base import Learner
 from prorl_async.learners.batch import shard_groups
 from prorl_async.learners.core import sync_device
+from prorl_async.ledger import write_step
 from prorl_async.metrics import rss_mb
 from prorl_async.weight_ipc import IpcWeightSender, device_key
 from prorl_async.weight_sync import WeightSyncGroup, free_port, tensor_checksum
@@ -48,10 +51,27 @@ def resolve_batch(batch):
 class LearnerActor:
     def __init__(self, cfg, model_path: str, rank: int = 0, world_size: int = 1, master: tuple = ("127.0.0.1", 0)):
         torch.set_num_threads(cfg.train.num_threads)
-        self.cfg, self.rank = cfg, rank
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
         device = "cuda" if cfg.train.learner_num_gpus > 0 and torch.cuda.is_available() else "cpu"
         self.learner = make_learner(cfg, model_path, device, rank, world_size, master)
         self._sync = None
+        self._ledger_run_dir = ""  # where the ledger goes (train.record_rollouts); "" = nowhere
+        self._observed: list[dict] = []  # held-out scores received since the last step (the ledger keeps them)
+
+    def record_ledger(self, run_dir: str) -> bool:
+        """Write every step's ledger rows under ``run_dir/ledger/`` (:mod:`prorl_async.ledger`)."""
+        self._ledger_run_dir = run_dir
+        return True
+
+    def _write_ledger(self, metrics: dict) -> dict:
+        """The step's ledger file, with the held-out scores received before it; ``perf/ledger_s``."""
+        t0 = time.perf_counter()
+        rows = self.learner.ledger_rows()  # built here, after the update (its time is perf/ledger_s, not train_s)
+        if not self._ledger_run_dir or rows is None:
+            return metrics
+        write_step(self._ledger_run_dir, rows, self._observed, rank=None if self.world_size == 1 else self.rank)
+        self._observed = []
+        return {**metrics, "perf/ledger_s": time.perf_counter() - t0}
 
     def ready(self) -> int:
         return self.rank
@@ -77,12 +97,13 @@ class LearnerActor:
         """``batch``: ``[ObjectRef]`` of the batch table, as the driver passes it (resolved here,
         a zero-copy read of the buffer's object), or the table itself."""
         table = resolve_batch(batch)
-        return {**self.learner.train_step(table, step), "actor/optimizer_state_params": optimizer_state_size(self.learner),
+        metrics = self._write_ledger(self.learner.train_step(table, step))
+        return {**metrics, "actor/optimizer_state_params": optimizer_state_size(self.learner),
                 "sys/rss_mb/learner": rss_mb()}
 
     def train_shard(self, batch, step: int, world_size: int) -> dict:
         """Train on this rank's groups of the whole batch (read from the object store, zero-copy)."""
-        return self.learner.train_step(shard_groups(resolve_batch(batch), self.rank, world_size), step)
+        return self._write_ledger(self.learner.train_step(shard_groups(resolve_batch(batch), self.rank, world_size), step))
 
     def broadcast_weights(self) -> dict:
         """``perf/sync_*`` metrics; with ipc also ``weights``, the payload of handles every
@@ -105,6 +126,8 @@ class LearnerActor:
     def observe_validation(self, step: int, score: float) -> dict:
         """The held-out score to the reference-reset policy; ``ref/reset_<cause>`` if it reset."""
         cause = self.learner.observe_validation(step, score)
+        if self._ledger_run_dir:  # replay applies it before the next step, as it happened here
+            self._observed.append({"step": step, "score": score, "cause": cause, "checkpointed": False})
         return {"ref/reset": 1.0, f"ref/reset_{cause}": 1.0,
                 "actor/optimizer_state_params": optimizer_state_size(self.learner)} if cause else {}
 
@@ -114,6 +137,8 @@ class LearnerActor:
     def save_checkpoint(self, path: str, tokenizer_path: str = "") -> str:
         """Learner state into a checkpoint directory being written (prorl_async.learners.files)."""
         self.learner.save_checkpoint(path, tokenizer_path)
+        for obs in self._observed:  # in this checkpoint's state already: a replay from it must not apply them again
+            obs["checkpointed"] = True
         return path
 
     def load_checkpoint(self, path: str) -> int:
@@ -147,6 +172,9 @@ class LearnerGroup:
 
     def init_weight_sync(self, host: str, port: int, world_size: int, backend: str, wire_dtype=None) -> bool:
         return ray.get(self.members[0].init_weight_sync.remote(host, port, world_size, backend, wire_dtype))
+
+    def record_ledger(self, run_dir: str) -> bool:
+        return self._all("record_ledger", run_dir)
 
     def train_step(self, batch, step: int) -> dict:
         """``batch``: ``[ObjectRef]`` of the batch table (preferred: the bytes never pass through

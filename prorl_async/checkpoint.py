@@ -61,7 +61,7 @@ _STEP_RE = re.compile(r"^step-(\d{6,})$")
 RESUME_MUTABLE = (
     "run_dir", "train.total_steps", "train.checkpoint_interval", "train.keep_last", "train.eval_interval",
     "train.eval_samples", "train.eval_temperature", "train.keep_best", "train.keep_best_mode", "train.stop_at",
-    "train.batch_timeout_s", "train.sync_timeout_s", "reward.num_workers",
+    "train.batch_timeout_s", "train.sync_timeout_s", "train.record_rollouts", "reward.num_workers",
     "model.cache_dir", "tracking.", "ray.",
 )
 

@@ -153,6 +153,7 @@ class TrainConfig:
     keep_best: str = _f("", "keep the evaluated policy with the best value of this held-out metric as RUN_DIR/best/ (HF folder): val/pass@1, val/pass@K (K = eval_samples), or either with /<domain>; empty = off")
     keep_best_mode: str = _f("max", "train.keep_best: max (higher is better) or min")
     stop_at: str = _f("", "stop once a periodic evaluation reaches METRIC OP NUMBER (e.g. val/pass@1>=0.9; OP >=, <=, >, <), with the checkpoint and final/ written; empty = off")
+    record_rollouts: bool = _f(True, "the ledger of every trained token: per step, RUN_DIR/ledger/step-N.parquet with the rows the learner trained on (token ids, versions, behaviour / learner / reference logprobs, importance weights, advantages, rewards, verdicts), what `prorl-async replay` and `prorl-async ledger` read; 0.74 % of a tiny default step (benchmarks/RESULTS.md)")
     checkpoint_interval: int = _f(0, "checkpoint every N steps (0 = only at the end)")
     keep_last: int = _f(2, "checkpoints kept")
     learner_num_cpus: float = _f(1.0, "CPUs Ray reserves for the learner")

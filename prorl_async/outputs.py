@@ -10,6 +10,7 @@
     best/                  with ``train.keep_best``: the evaluated policy with the best held-out value
                            (HF folder like final/, plus ``best.json``: metric, mode, step, value)
     checkpoints/           :mod:`prorl_async.checkpoint`
+    ledger/                every trained token, one Parquet file per step (:mod:`prorl_async.ledger`)
 
 Pure: no Ray.
 """

@@ -31,6 +31,11 @@ class Learner(Protocol):
         """One update on a table in the rollout schema; returns the step's metrics."""
         ...
 
+    def ledger_rows(self) -> Optional[pa.Table]:
+        """The last step's rows for the ledger (:func:`prorl_async.ledger.step_rows`), None
+        with ``train.record_rollouts`` off."""
+        ...
+
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """The policy's weights by parameter name, as the engines load them (a collective
         under ZeRO-3: every rank calls it)."""

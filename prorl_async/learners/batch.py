@@ -108,6 +108,7 @@ def prepare_batch(table: pa.Table, pad_id: int, cfg, step: int, schedule,
         valid=b["valid"], overlong_mode=a.overlong, overlong_buffer=a.overlong_buffer,
         overlong_factor=a.overlong_factor)
     keep = keep & b["valid"]
+    b["reward"] = rewards  # shaped (what the advantages are computed from)
     # an engine that returned a non-finite behaviour logprob loses that sample, counted
     beh = b["behavior_logprobs"]
     beh_bad = ~torch.where(b["mask"] > 0, beh, torch.zeros_like(beh)).isfinite().all(dim=1)

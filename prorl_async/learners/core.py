@@ -62,6 +62,7 @@ from prorl_async.algo.mismatch import mismatch_metrics, mismatch_stats
 from prorl_async.algo.reference import ReferenceResetPolicy
 from prorl_async.algo.shaping import LengthPenaltySchedule
 from prorl_async.learners.batch import learner_columns, prepare_batch
+from prorl_async.ledger import LEDGER_INPUTS, step_rows
 from prorl_async.learners.logprobs import packed_token_logprobs, padded_token_logprobs
 from prorl_async.learners.packing import plan_micro_batches, plan_shared_micro_batches
 
@@ -167,6 +168,16 @@ class LearnerCore:
 
     def __init__(self, cfg: Config, ops: LearnerOps):
         self.cfg, self.ops = cfg, ops
+        self._ledger_inputs: Optional[tuple] = None  # the last step's table, tensors and step, for ledger_rows
+
+    def ledger_rows(self) -> Optional[pa.Table]:
+        """The last step's rows for the ledger (:func:`prorl_async.ledger.step_rows`); None with
+        ``train.record_rollouts`` off. Built once, when asked (the learner actor asks after the step)."""
+        if self._ledger_inputs is None:
+            return None
+        table, b, step = self._ledger_inputs
+        self._ledger_inputs = None
+        return step_rows(table, b, step, self.cfg)
 
     @property
     def packing(self) -> bool:
@@ -234,9 +245,12 @@ class LearnerCore:
         o = self.ops
         step = o.version if step is None else step
         t0 = time.perf_counter()
+        full = table
         table = learner_columns(table)  # display columns (response_text ...) are dropped here, zero-copy
         b, shape_metrics = prepare_batch(table, o.pad_id, self.cfg, step, o.length_schedule, stats_reduce=stats_reduce)
         metrics = self.train_step(b, o.ref, step, o.version)
+        # what the ledger's rows of this step are built from (train.record_rollouts; built on demand, off the step's clock)
+        self._ledger_inputs = (full, {k: b[k] for k in LEDGER_INPUTS}, step + 1) if self.cfg.train.record_rollouts else None
         if metrics["actor/updates"]:
             o.lr_sched.step()
         o.version += 1
@@ -323,6 +337,7 @@ class LearnerCore:
             "is/nonfinite_behavior_samples": float(o.reduce(b["beh_bad"].sum().double().reshape(1), "sum")),
         })
         metrics.update(self.mismatch(b, start_lp, seen, version))
+        b["start_logprobs"], b["ref_logprobs"] = start_lp, ref_all  # what the ledger records
         return metrics
 
     def mismatch(self, b: dict, learner_lp: torch.Tensor, seen: torch.Tensor, version: int) -> dict[str, float]:

@@ -222,6 +222,9 @@ class DeepSpeedLearner:
         if self.cfg.algo.ref_reset_optimizer:
             _base_optimizer(self.opt).state.clear()
 
+    def ledger_rows(self) -> Optional[pa.Table]:
+        return self.core.ledger_rows()
+
     def observe_validation(self, step: int, score: float) -> Optional[str]:
         cause = self.ref_policy.update(step, val_score=score)
         if cause:

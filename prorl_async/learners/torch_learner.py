@@ -124,6 +124,9 @@ class TorchLearner:
         return self.core.learner_step(table, step)
 
     # ------------------------------------------------------------------ reference, weights
+    def ledger_rows(self) -> Optional[pa.Table]:
+        return self.core.ledger_rows()
+
     @torch.no_grad()
     def reset_reference(self, cause: str) -> None:
         if self.ref is not None:

@@ -9,7 +9,7 @@ from prorl_async.learners.deepspeed import DeepSpeedLearner
 from prorl_async.learners.torch_learner import TorchLearner
 from tests.offline import assert_defines_every_method, public_methods
 
-METHODS = {"train_step", "named_tensors", "observe_validation", "base_optimizer", "save_model",
+METHODS = {"train_step", "ledger_rows", "named_tensors", "observe_validation", "base_optimizer", "save_model",
            "save_checkpoint", "load_checkpoint"}
 
 
