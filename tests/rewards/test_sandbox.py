@@ -43,9 +43,9 @@ def stdio(expected="3\n", n=1):
 
 def assert_nothing_left(run):
     assert leftover_processes(run.session_id, run.uid) == []
-    if run.uid is not None:  # nothing at all runs under any sandbox uid
-        others = [p for p in os.listdir("/proc") if p.isdigit()
-                  and _owner(p) in range(UID_BASE, UID_BASE + UID_SLOTS)]
+    if run.uid is not None:  # nothing runs under this run's sandbox uid (other uids: sandboxes of a
+        others = [p for p in os.listdir("/proc") if p.isdigit()  # parallel test worker may be running)
+                  and _owner(p) == run.uid]
         assert others == []
 
 
