@@ -39,6 +39,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
+from prorl_async.algo.losses import importance_weight
 from prorl_async.learners.batch import LEARNER_COLUMNS
 from prorl_async.metrics import is_correct
 
@@ -107,12 +108,7 @@ def _ragged(x: torch.Tensor, lengths: np.ndarray) -> pa.Array:
 def is_weights(learner_lp: torch.Tensor, behavior: torch.Tensor, is_mode: str, lo: float, hi: float) -> torch.Tensor:
     """The per-token importance weight :func:`prorl_async.algo.losses.policy_loss` applies
     (``exp(old - behaviour)``, truncated (tis) or masked (icepop) to [lo, hi]; 1 for none)."""
-    raw = torch.exp(learner_lp.double() - behavior.double())
-    if is_mode == "none":
-        return torch.ones_like(raw)
-    if is_mode == "tis":
-        return raw.clamp(lo, hi)
-    return torch.where((raw < lo) | (raw > hi), torch.zeros_like(raw), raw)
+    return importance_weight(torch.exp(learner_lp.double() - behavior.double()), is_mode, lo, hi)
 
 
 def _column(table: pa.Table, name: str, n: int, default) -> pa.Array:

@@ -116,6 +116,16 @@ def masked_mean(
     return total / _denominator(fn, mask, num_tokens).to(total.dtype)
 
 
+def importance_weight(raw: torch.Tensor, is_mode: str, is_low: float, is_high: float) -> torch.Tensor:
+    """The weight of a token's loss from its raw weight ``exp(old - behaviour)``: truncated to
+    [is_low, is_high] (``tis``), zeroed outside it (``icepop``), or 1 (``none``)."""
+    if is_mode == "none":
+        return torch.ones_like(raw)
+    if is_mode == "tis":
+        return raw.clamp(is_low, is_high)
+    return torch.where((raw < is_low) | (raw > is_high), torch.zeros_like(raw), raw)
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -197,11 +207,8 @@ def policy_loss(
         if behavior_logprobs is None or is_mode == "none":
             weight = torch.ones_like(ratio)
             masked = torch.zeros_like(valid)
-        elif is_mode == "tis":
-            weight = raw_w.clamp(is_low, is_high).to(ratio.dtype)
-            masked = outside & valid
-        else:  # icepop
-            weight = torch.where(outside, 0.0, raw_w).to(ratio.dtype)
+        else:
+            weight = importance_weight(raw_w, is_mode, is_low, is_high).to(ratio.dtype)
             masked = outside & valid
 
     weighted = torch.where(valid, per_token * weight, zero)
