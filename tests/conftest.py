@@ -113,23 +113,6 @@ def _run_dir(tmp_path_factory, name: str) -> str:
     return str(d)
 
 
-@pytest.fixture(autouse=True)
-def _deepspeed_forgets_destroyed_groups():
-    """DeepSpeed caches the process groups it made (``deepspeed.utils.groups``) and forgets them only
-    when it destroys the world itself. An in-process vLLM engine destroys the world it shares with
-    them at shutdown; a later in-process DeepSpeed learner then broadcasts over a dead group ("Group
-    ... is not registered"). After each test, a world that is gone takes DeepSpeed's cache with it."""
-    yield
-    groups = sys.modules.get("deepspeed.utils.groups")
-    if groups is None:
-        return
-    import torch.distributed as dist
-
-    release = getattr(groups, "_release_process_group_references", None)
-    if release is not None and not (dist.is_available() and dist.is_initialized()):
-        release()
-
-
 @pytest.fixture(scope="session")
 def _torch_ext_dir(tmp_path_factory):
     return os.environ.get("TORCH_EXTENSIONS_DIR") or _run_dir(tmp_path_factory, "torch-ext")

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -85,12 +86,24 @@ def ensure_process_group(rank: int = 0, world_size: int = 1, master_addr: str = 
     the variables are set only while the world is built."""
     if dist.is_initialized():
         return
+    _forget_dead_groups()
     addr = master_addr if master_port else os.environ.get("MASTER_ADDR", master_addr)
     port = str(master_port) if master_port else os.environ.get("MASTER_PORT") or str(free_port(master_addr))
     import deepspeed
     with scoped_env({"MASTER_ADDR": addr, "MASTER_PORT": port, "RANK": str(rank), "WORLD_SIZE": str(world_size),
                      "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}):
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, rank=rank, world_size=world_size)
+
+
+def _forget_dead_groups() -> None:
+    """DeepSpeed caches the groups it makes (``deepspeed.utils.groups``: a clone of the world among
+    them) and drops them only when it destroys the world itself. A world destroyed by someone else
+    (an in-process vLLM engine's shutdown) leaves them cached, and the next engine broadcasts over a
+    dead group ("Group ... is not registered"). With no world up, no cached group can be alive."""
+    groups = sys.modules.get("deepspeed.utils.groups")
+    release = getattr(groups, "_release_process_group_references", None)
+    if release is not None:
+        release()
 
 
 def allreduce(x: torch.Tensor, op: str, device, world_size: int) -> torch.Tensor:

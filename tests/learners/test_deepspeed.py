@@ -83,6 +83,26 @@ def test_in_process_learner_leaves_the_environment_as_it_found_it(tiny_model, ds
     assert dict(os.environ) == before
 
 
+def test_a_learner_trains_after_someone_else_destroyed_the_world(tiny_model, ds_ext):
+    """An in-process vLLM engine destroys the torch.distributed world at its shutdown; DeepSpeed's
+    cached groups of that world (its clone of it among them) must not outlive it: the next learner
+    builds a new world and trains (before: "Group ... is not registered" at deepspeed.initialize)."""
+    import torch.distributed as dist
+
+    from prorl_async.learners.deepspeed import DeepSpeedLearner
+
+    cfg = _cfg(tiny_model)
+    table = graded_table(groups=4, n=4, seed=1)
+    first = DeepSpeedLearner(cfg, tiny_model).train_step(table, 0)
+    dist.destroy_process_group()  # as vLLM's shutdown does, behind DeepSpeed's back
+    assert not dist.is_initialized()
+    again = DeepSpeedLearner(cfg, tiny_model)
+    assert dist.is_initialized()
+    second = again.train_step(table, 0)  # the same first step, in a new world
+    assert math.isfinite(second["actor/pg_loss"])
+    assert second["actor/pg_loss"] == pytest.approx(first["actor/pg_loss"], rel=1e-5, abs=1e-7)
+
+
 @pytest.mark.distributed
 def test_two_rank_advantages_equal_one_rank(tmp_path):
     worker = os.path.join(os.path.dirname(__file__), "_dp_worker.py")
