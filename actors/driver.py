@@ -26,7 +26,7 @@ import ray
 from prorl_async.buffer import PutResult
 from prorl_async.config import Config, config_to_dict, save_config
 from prorl_async.console import ActorWarnings, quiet_driver
-from prorl_async.curriculum import Curriculum, NoSignal
+from prorl_async.curriculum import Curriculum, NoSignal, prompt_source
 from prorl_async.data.datasets import load_source, load_train_rows
 from prorl_async.data.source import PromptSource
 from prorl_async.engines.prompts import drop_unfit
@@ -49,6 +49,7 @@ from actors.replay_buffer import TakeRefs
 from actors.stopping import Stopped, stop_on_sigterm
 
 log = logging.getLogger("prorl_async")
+EVALUATION_FAILED = (StaleWeights, ray.exceptions.RayActorError, ray.exceptions.RayTaskError)
 
 class TrainingLoop:
     def __init__(self, cfg: Config, actors: Actors, source: PromptSource | Curriculum, tracker: Tracker, eval_rows: list[dict],
@@ -258,12 +259,8 @@ class TrainingLoop:
         s, t0 = self.s, time.time()
         try:
             val = evaluate(self.cfg, self.actors, self.eval_rows, s.version, self.tracker)
-        except StaleWeights as err:  # a generator restarted since its last sync: re-sync, evaluate again
-            self.apply(self.failures.on_stale_weights(str(err)))
-            return
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
-            self.on_failure(EVALUATED, None, err)  # a generator (or the grader) died: re-sync, evaluate again
-            return
+        except EVALUATION_FAILED as err:
+            return self.evaluation_failed(err)
         reset = ray.get(self.actors.learner.observe_validation.remote(s.version, val["val/pass@1"]))  # stalled?
         self.tracker.track(reset, s.version)  # ref/reset_val_stall: ProRL resets the reference on a stall
         s.busy_s["eval"] += time.time() - t0
@@ -275,6 +272,13 @@ class TrainingLoop:
         self.observe_evaluation(val, s.version, periodic=True)
         if isinstance(self.source, Curriculum):
             print(self.source.table(f"curriculum at step {s.version}"), flush=True)
+
+    def evaluation_failed(self, err: Exception) -> None:
+        """A generator restarted since its last sync (stale samples), or it or the grader died: counted
+        by the failure policy; a full sync follows and the evaluation is done again."""
+        if isinstance(err, StaleWeights):
+            return self.apply(self.failures.on_stale_weights(str(err)))
+        self.on_failure(EVALUATED, None, err)
 
     def observe_evaluation(self, val: dict, step: int, periodic: bool) -> None:
         """An evaluation of the learner's current weights (step ``step``): a new best is written as
@@ -374,24 +378,13 @@ class TrainingLoop:
 
 
 def fitted_rows(cfg: Config, model_path: str, rows: list[dict], source: str) -> tuple[list[dict], int]:
-    """``rows`` whose prompts fit the model (prompt + ``rollout.max_new_tokens`` within its context), and how
-    many were dropped, with one warning (:func:`prorl_async.engines.prompts.drop_unfit`)."""
+    """``rows`` whose prompt + ``rollout.max_new_tokens`` fit the model's context; how many were dropped (warned)."""
     return drop_unfit(rows, load_tokenizer(model_path), context_length(model_path), cfg.rollout.max_new_tokens,
                       source, strict=cfg.data.strict)
 
 
-def prompt_source(cfg: Config, rows: list[dict]) -> PromptSource | Curriculum:
-    """The run's training prompts: one shuffled stream, or pools chosen by signal (``curriculum.enabled``)."""
-    c = cfg.curriculum
-    if not c.enabled:
-        return PromptSource(rows, seed=cfg.data.shuffle_seed)
-    return Curriculum(rows, seed=cfg.data.shuffle_seed, min_signal=c.min_signal, probe_frac=c.probe_frac, window=c.window,
-                      min_active=c.min_active, signal_by=c.signal_by)
-
-
 def run_preflight(cfg: Config, actors: Actors, source: Curriculum) -> None:
-    """Every pool sampled before step 1; the table printed (and its numbers in Aim at step 0); a mix
-    without signal stops here, with the table."""
+    """Every pool sampled before step 1 and the table printed; a mix without signal stops here, with the table."""
     t0 = time.time()
     results = preflight(cfg, actors, source.preflight_rows(cfg.curriculum.preflight_prompts))
     try:
@@ -459,7 +452,12 @@ def _run(cfg: Config, resume, run_dir, t0: float) -> dict:
             raise Stopped(loop.s.signalled, loop.s.version, run_dir)
         loop.checkpoint("stop_at" if loop.s.stop_reason else "end")
         steps = loop.s.version
-        after = held_out(cfg, actors, eval_rows, steps, tracker)
+        try:
+            after = held_out(cfg, actors, eval_rows, steps, tracker)
+        except EVALUATION_FAILED as err:  # as a periodic one: one full sync, evaluated once more
+            loop.evaluation_failed(err)
+            loop.resync_weights()
+            after = held_out(cfg, actors, eval_rows, steps, tracker)
         loop.observe_evaluation(after, steps, periodic=False)
         checkpointing.save_policy(loop, FINAL)
         summary: dict[str, Any] = {"run_dir": str(run_dir), "aim_run_hash": tracker.hash, "steps": steps,

@@ -42,8 +42,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prorl_async.data.source import PromptSource
+
+if TYPE_CHECKING:
+    from prorl_async.config import Config
 
 ACTIVE, HELD = "active", "held"
 SIGNAL_BY = ("reward", "solved")
@@ -244,3 +248,12 @@ class Curriculum:
             p.source.load_state_dict(d["source"])
             p.status, p.signal, p.pass_rate, p.groups = d["status"], d["signal"], d["pass_rate"], d["groups"]
             p.changes = [tuple(c) for c in d["changes"]]
+
+
+def prompt_source(cfg: Config, rows: list[dict]) -> PromptSource | Curriculum:
+    """The run's training prompts: one shuffled stream, or pools chosen by signal (``curriculum.enabled``)."""
+    c = cfg.curriculum
+    if not c.enabled:
+        return PromptSource(rows, seed=cfg.data.shuffle_seed)
+    return Curriculum(rows, seed=cfg.data.shuffle_seed, min_signal=c.min_signal, probe_frac=c.probe_frac, window=c.window,
+                      min_active=c.min_active, signal_by=c.signal_by)
