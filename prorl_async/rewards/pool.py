@@ -66,7 +66,7 @@ from typing import Sequence
 
 from prorl_async.rewards import resolve_options
 from prorl_async.rewards.base import Grade, invalid
-from prorl_async.rewards.workers import STARTUP_TIMEOUT_S, WARM_UPS, Chunk, ForkServer, Worker
+from prorl_async.rewards.workers import STARTUP_TIMEOUT_S, Chunk, ForkServer, Worker, warm_up_key
 
 # counters reported per domain as grader/<name>/<domain>, keyed by the invalid reason
 _HEALTH = {"timeout": "timeouts", "non_finite": "nonfinite", "worker_died": "worker_died"}
@@ -281,7 +281,7 @@ class GraderPool:
         call, t_enqueue = self._call, time.monotonic()
         grades: list[Grade | None] = [None] * n
         times, waits = [0.0] * n, [0.0] * n
-        new_domains = {r.get("domain") for r in rows if isinstance(r, dict)} & set(WARM_UPS) - self._warm_domains
+        new_domains = {warm_up_key(r.get("domain")) for r in rows if isinstance(r, dict)} - {None} - self._warm_domains
         if new_domains:  # workers started from now on warm these up first; idle spares now
             self._warm_domains |= new_domains
             self._fork_server.warm(sorted(new_domains))

@@ -18,8 +18,9 @@ is what runs in them and the parent-side handles it keeps.
   kill a worker whose sample has run past the limit, from any thread; the parent writes
   ``stop_at``, and the worker grades only chunk indices below it, so the parent can take back the
   rest of a chunk.
-* A worker pays one-off costs (Math-Verify's import and first parse) untimed on a fixed warm-up
-  sample (:data:`WARM_UPS`) before its first sample of such a domain; a ``("warm", domains)``
+* A worker pays one-off costs (Math-Verify's import and first parse, Reasoning Gym's import)
+  untimed on a fixed warm-up sample (:data:`WARM_UPS`) before its first sample of such a domain
+  or family (:func:`warm_up_key`); a ``("warm", keys)``
   message tells an idle worker or the fork server to warm up ahead of time.
 """
 
@@ -63,9 +64,23 @@ def safe_grade(row: dict, response: str, options: dict) -> Grade:
 # worker side
 
 
-WARM_UPS = {  # domain -> a sample whose first grading pays one-off costs (imports, parser set-up)
+WARM_UPS = {  # a domain, or a family ("rg:" for rg:TASK@LEVEL) -> a sample whose first grading pays
+    # one-off costs (imports, parser set-up): Math-Verify's ~1 s, Reasoning Gym's 2-3 s (more on a busy CPU)
     "math": ({"id": "warm-up", "domain": "math", "answer": "\\frac{1}{2}"}, "\\boxed{0.5}"),
+    "rg:": ({"id": "warm-up", "domain": "rg:chain_sum", "answer": "5",
+             "meta": {"task": "chain_sum", "entry": {"question": "2 + 3 =", "answer": "5", "metadata": {}}}},
+            "<answer>5</answer>"),
 }
+
+
+def warm_up_key(domain) -> str | None:
+    """The :data:`WARM_UPS` entry a sample of ``domain`` needs first: its own, its family's, or none."""
+    if not isinstance(domain, str):
+        return None
+    if domain in WARM_UPS:
+        return domain
+    family = domain.split(":", 1)[0] + ":"
+    return family if ":" in domain and family in WARM_UPS else None
 
 
 def _warm_up(domains, warm: set, options: dict) -> None:
@@ -89,10 +104,10 @@ def _serve(conn: Connection, shm: mmap.mmap, options: dict, warm: set) -> None:
         for k, (row, response) in enumerate(zip(rows, responses)):
             if k >= _STOP_AT.unpack_from(shm, _PROGRESS.size)[0]:  # the parent took the rest back
                 break
-            domain = row.get("domain") if isinstance(row, dict) else None
-            if domain in WARM_UPS and domain not in warm:  # untimed: progress says idle
+            key = warm_up_key(row.get("domain") if isinstance(row, dict) else None)
+            if key is not None and key not in warm:  # untimed: progress says idle
                 _PROGRESS.pack_into(shm, 0, -1.0, 0.0)
-                _warm_up([domain], warm, options)
+                _warm_up([key], warm, options)
             t0 = time.monotonic()
             _PROGRESS.pack_into(shm, 0, float(k), t0)
             g = safe_grade(row, response, options)

@@ -97,6 +97,16 @@ def test_partial_credit_is_a_continuous_reward():
     assert g.valid and 0 < g.reward < 1 and g.reason == "partial"
 
 
+def test_a_fresh_workers_first_sample_does_not_pay_the_import_in_its_time_limit():
+    """Reasoning Gym's import takes 2-3 s (more on a busy CPU), above this pool's 1 s limit: a fresh
+    worker pays it untimed, so the first samples of a run, or of a resumed one, are graded, not timed out."""
+    rows = load_rows(EASY_SUM)[:4]
+    with GraderPool(num_workers=1, timeout_s=1.0) as pool:
+        grades = pool.grade_many(rows, [f"<answer>{r['answer']}</answer>" for r in rows])
+        assert [(g.reason, g.valid) for g in grades] == [("correct", True)] * 4
+        assert pool.metrics()["grader/timeouts"] == 0
+
+
 def test_the_scorer_runs_in_the_grader_pool():
     rows = load_rows(EASY_SUM)[:4]
     with GraderPool(num_workers=1, timeout_s=20.0) as pool:
