@@ -16,6 +16,7 @@ from typing import Iterable, Optional
 
 import torch
 
+from prorl_async import machine
 from prorl_async.engines.base import Completion, SamplingSpec
 from prorl_async.weight_ipc import IpcWeightReceiver
 from prorl_async.weight_sync import WeightSyncGroup, tensor_checksum
@@ -119,6 +120,8 @@ class HFEngine:
         if staged is not None:
             self.load_weights(staged[1])
             self.version = staged[0]
+            del staged
+            machine.release_freed_heap()  # the staged copy was freed below live blocks
 
     def weights_checksum(self) -> tuple[int, int]:
         """(version, checksum) of the weights in use; applies staged weights first."""

@@ -39,6 +39,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from prorl_async import machine
 from prorl_async.weight_ipc import IpcWeightReceiver
 from prorl_async.weight_sync import WeightSyncError, WeightSyncGroup, _checksum, chain_checksums, tensor_checksum
 
@@ -101,6 +102,7 @@ class WeightSyncWorkerExtension:
             raise
         del tensors, staged
         self._refresh_tied_modules()
+        machine.release_freed_heap()  # the received / staged copies were freed below live blocks
         if not sharded:
             checksum = self._model_checksum(loaded, version)
         self._prorl_version, self._prorl_checksum = version, checksum
