@@ -11,7 +11,7 @@ import ctypes.util
 import functools
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:  # annotations only: the config imports this module
     from prorl_async.config import Config
@@ -79,7 +79,7 @@ def actor_runtime_env(cfg: Config) -> dict[str, Any]:
 
 
 @functools.cache
-def _malloc_trim():
+def _malloc_trim() -> Optional[Callable[[int], int]]:
     """glibc's ``malloc_trim`` (``None`` on a C library without it, e.g. musl or macOS)."""
     try:
         lib = ctypes.CDLL(ctypes.util.find_library("c"))
