@@ -11,7 +11,7 @@ import ctypes.util
 import functools
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:  # annotations only: the config imports this module
     from prorl_async.config import Config
@@ -79,16 +79,14 @@ def actor_runtime_env(cfg: Config) -> dict[str, Any]:
 
 
 @functools.cache
-def _malloc_trim() -> Optional[Callable[[int], int]]:
-    """glibc's ``malloc_trim`` (``None`` on a C library without it, e.g. musl or macOS)."""
+def glibc() -> Optional[ctypes.CDLL]:
+    """This process's C library when it is glibc (``None`` otherwise, e.g. musl or macOS)."""
     try:
         lib = ctypes.CDLL(ctypes.util.find_library("c"))
         lib.gnu_get_libc_version  # glibc only
-        fn = lib.malloc_trim
     except (OSError, AttributeError, TypeError):
         return None
-    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
-    return fn
+    return lib
 
 
 def release_freed_heap() -> bool:
@@ -100,8 +98,8 @@ def release_freed_heap() -> bool:
     updates (benchmarks/bench_generator_memory.py, SmolLM2-135M in vLLM, 16 updates: 3.94 GB without,
     3.36 GB with; +171 MB vs +7 MB from the second update on). Costs a walk of the heap (74 ms there,
     beside a sync of seconds). False where the C library has none."""
-    fn = _malloc_trim()
-    if fn is None:
+    lib = glibc()
+    if lib is None:
         return False
-    fn(0)
+    lib.malloc_trim(ctypes.c_size_t(0))
     return True

@@ -23,10 +23,11 @@ a GPU learner's tensors are not host memory and it keeps the default. Values:
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 
 import torch
+
+from prorl_async import machine
 
 M_TRIM_THRESHOLD = -1  # glibc malloc.h
 M_MMAP_MAX = -4
@@ -42,13 +43,10 @@ def reuse_applies(setting: str, device) -> bool:
 @functools.cache
 def _glibc():
     """glibc's ``mallopt`` (``None`` on a C library without it, e.g. musl or macOS)."""
-    name = ctypes.util.find_library("c")
-    try:
-        lib = ctypes.CDLL(name)
-        lib.gnu_get_libc_version  # glibc only
-        fn = lib.mallopt
-    except (OSError, AttributeError, TypeError):
+    lib = machine.glibc()
+    if lib is None:
         return None
+    fn = lib.mallopt
     fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return fn
 
