@@ -20,6 +20,9 @@ Query parameters (every one optional):
 * ``answer``: where the answer is read from, ``tags`` (default: the last ``<answer>...</answer>``,
   Reasoning Gym's convention, through its own ``extract_answer``) or ``stated`` (the text after
   the last "answer is" / "answer:" / "=" on its line, as ``chat-arith`` reads a result);
+* ``worked``: ``true`` answers each shot with short worked steps before its final line (e.g.
+  ``98 + 93 = 191. 191 - 77 = 114. The answer is 114.``), for the tasks
+  :mod:`prorl_async.data.worked` has a writer for; default ``false`` (the final line alone);
 * ``level``: a label of this difficulty setting; the rows' domain is ``rg:TASK@LEVEL`` (without
   it ``rg:TASK``), so evaluation, rollout metrics and the curriculum's pools keep levels apart;
 * anything else is an option of the task's config (e.g. ``min_terms=2&max_terms=2`` for
@@ -44,12 +47,14 @@ from urllib.parse import parse_qsl, urlsplit
 
 import yaml
 
+from prorl_async.data.worked import WRITERS, worked_steps
+
 PREFIX = "reasoning-gym:"
 DOMAIN_PREFIX = "rg:"
 ANSWER_FORMATS = ("tags", "stated")
 EVAL_FRACTION, DEMO_FRACTION = 0.20, 0.05
 DEMO_SEED = 9_973  # the few-shot examples' seed: fixed, so train and eval prompts share them
-_RESERVED = ("n", "seed", "split", "shots", "answer", "level")
+_RESERVED = ("n", "seed", "split", "shots", "answer", "level", "worked")
 _MAX_TRIES = 50  # generated items per wanted row before a split is declared too small
 
 SYSTEM_PROMPTS = {
@@ -105,6 +110,7 @@ class Spec:
     answer: str
     level: str
     options: dict  # task -> {option: value}
+    worked: bool = False
 
 
 def _value(raw: str):
@@ -138,6 +144,16 @@ def parse(source: str) -> Spec:
         raise ValueError(f"{source}: answer must be {' or '.join(ANSWER_FORMATS)}, got {answer!r}")
     if n < 0 or shots < 0:
         raise ValueError(f"{source}: n and shots must be >= 0")
+    worked = _value(query.get("worked", "false"))
+    if not isinstance(worked, bool):
+        raise ValueError(f"{source}: worked must be true or false, got {query['worked']!r}")
+    if worked:
+        if not shots:
+            raise ValueError(f"{source}: worked=true works out the shots' answers; set shots (e.g. shots=2)")
+        missing = [t for t in tasks if t not in WRITERS]
+        if missing:
+            raise ValueError(f"{source}: worked=true: no worked solutions for {missing}; they exist for "
+                             f"{', '.join(sorted(WRITERS))} (drop worked=true for the others)")
     if level and not level.replace("_", "").replace("-", "").isalnum():
         raise ValueError(f"{source}: level must be a word (letters, digits, - or _), got {level!r}")
     options = {t: {} for t in tasks}
@@ -153,7 +169,7 @@ def parse(source: str) -> Spec:
             raise ValueError(f"{source}: unknown option {key!r}; valid: {', '.join(_RESERVED)}; task options: {valid}")
         for t in targets:
             options[t][name] = _value(raw)
-    return Spec(tasks, n, seed, split, shots, answer, level, options)
+    return Spec(tasks, n, seed, split, shots, answer, level, options, worked)
 
 
 def _dataset(task: str, options: dict, seed: int, size: int):
@@ -186,8 +202,9 @@ def _entry(item: dict) -> dict:
                                   "metadata": item.get("metadata", {})}, default=str))
 
 
-def _demo_answer(gold: str, answer: str) -> str:
-    return f"<answer>{gold}</answer>" if answer == "tags" else f"The answer is {gold}."
+def _demo_answer(gold: str, answer: str, steps: str = "") -> str:
+    final = f"<answer>{gold}</answer>" if answer == "tags" else f"The answer is {gold}."
+    return f"{steps} {final}" if steps else final
 
 
 @functools.lru_cache(maxsize=None)
@@ -206,8 +223,9 @@ def generate(source: str) -> list[dict]:
         domain = DOMAIN_PREFIX + task + (f"@{spec.level}" if spec.level else "")
         shots = []
         for _, demo in _items(task, opts, DEMO_SEED, "demo", spec.shots):
+            steps = worked_steps(task, _entry(demo)) if spec.worked else ""
             shots += [{"role": "user", "content": demo["question"]},
-                      {"role": "assistant", "content": _demo_answer(str(demo["answer"]), spec.answer)}]
+                      {"role": "assistant", "content": _demo_answer(str(demo["answer"]), spec.answer, steps)}]
         score = scorer(task)
         for idx, item in _items(task, opts, spec.seed, spec.split, spec.n):
             entry = _entry(item)

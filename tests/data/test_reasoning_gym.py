@@ -62,6 +62,9 @@ def test_rows_are_deterministic_in_the_seed():
     ("reasoning-gym:chain_sum?n=x", ["integers"]),
     ("reasoning-gym:chain_sum?answer=boxed", ["answer must be tags or stated"]),
     ("reasoning-gym:chain_sum?split=test", ["split must be train or eval"]),
+    ("reasoning-gym:chain_sum+syllogism?shots=2&worked=true", ["worked=true", "'syllogism'", "chain_sum", "spell_backward"]),
+    ("reasoning-gym:chain_sum?worked=true", ["worked=true", "set shots"]),
+    ("reasoning-gym:chain_sum?shots=2&worked=maybe", ["worked must be true or false"]),
 ])
 def test_a_bad_source_is_one_error_naming_what_is_valid(source, words):
     with pytest.raises(ValueError) as err:
@@ -79,6 +82,48 @@ def test_the_stated_answer_format():
     assert grade(row, f"1 + 2 = 3, so the answer is **{gold}**").reason == "correct"
     assert grade(row, f"The answer is {gold}. No wait, the answer is {int(gold) + 1}.").reason == "wrong"
     assert grade(row, "We need to add the two numbers together and then\nreport it").reason == "no_answer"
+
+
+# every task a worked solution exists for, at the settings of configs/prorl_smollm2_cpu.yaml's levels
+WORKED_SETTINGS = [
+    ("chain_sum", dict(min_terms=3, max_terms=4, min_digits=1, max_digits=2)),
+    ("products", dict(min_digits=1, max_digits=3)),
+    ("gcd", dict(max_value=100)),
+    ("leg_counting", dict(min_animals=1, max_animals=3, max_instances=6)),
+    ("letter_counting", dict(min_words=3, max_words=10)),
+    ("spell_backward", dict(min_word_len=3, max_word_len=6)),
+]
+
+
+@pytest.mark.parametrize("task, options", WORKED_SETTINGS, ids=[t for t, _ in WORKED_SETTINGS])
+def test_worked_solutions_end_on_the_gold_answer(task, options):
+    """The writer's steps reach Reasoning Gym's own answer on 200 generated items (worked_steps
+    raises otherwise), and a changed gold answer is caught."""
+    import reasoning_gym
+
+    from prorl_async.data.worked import WRITERS, worked_steps
+
+    assert task in WRITERS
+    items = reasoning_gym.create_dataset(task, seed=11, size=200, **options)
+    steps = [worked_steps(task, rg._entry(item)) for item in items]
+    assert all(s and s.endswith(".") for s in steps)
+    item = rg._entry(items[0])
+    with pytest.raises(ValueError, match="gold answer"):
+        worked_steps(task, {**item, "answer": item["answer"] + "1"})
+
+
+def test_worked_shots_show_the_steps_then_the_same_final_line():
+    plain = load_rows(EASY_SUM + "&answer=stated&shots=2")
+    worked = load_rows(EASY_SUM + "&answer=stated&shots=2&worked=true")
+    assert [r["prompt"][-1] for r in worked] == [r["prompt"][-1] for r in plain]  # the questions are the same
+    for p_msg, w_msg in zip(plain[0]["prompt"], worked[0]["prompt"]):
+        if p_msg["role"] != "assistant":
+            assert w_msg == p_msg
+            continue
+        a, b = p_msg["content"].removesuffix(".").split()[-1], w_msg["content"]  # "The answer is 7." -> 7
+        x, op, y = b.split(" = ")[0].split()
+        assert b == f"{x} {op} {y} = {a}. The answer is {a}." and p_msg["content"] == f"The answer is {a}."
+    assert grade(worked[0], f"1 + 2 = 3. The answer is {worked[0]['answer']}.").reason == "correct"
 
 
 def test_no_answer_is_apart_from_wrong_and_a_malformed_row_is_invalid():
