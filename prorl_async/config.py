@@ -454,6 +454,32 @@ def validate(cfg: Config) -> None:
              f"above 1 must be a whole number (one placement-group bundle on one node), got {r.generator_num_gpus}")
     _require(r.tensor_parallel_size == 1 or r.generator_num_gpus in (0, r.tensor_parallel_size), "rollout.generator_num_gpus",
              f"must equal rollout.tensor_parallel_size={r.tensor_parallel_size} on GPU (one GPU per TP rank), got {r.generator_num_gpus}")
+    _check_gpu_layout(cfg)
+
+
+def _check_gpu_layout(cfg: Config) -> None:
+    """GPU layouts that validate field by field but cannot run: they would fail late, in NCCL.
+    Ray packs fractional GPU reservations that fit together onto one GPU (two ``num_gpus=0.5``
+    actors share a device), and a whole-GPU reservation is a GPU of its own."""
+    r, t, backend = cfg.rollout, cfg.train, cfg.ray.weight_sync_backend
+    _require(not (t.num_learners > 1 and 0 < t.learner_num_gpus <= 0.5), "train.learner_num_gpus",
+             f"{t.learner_num_gpus:g} with train.num_learners={t.num_learners}: two learner ranks fit on one GPU, "
+             "where Ray places them, and their NCCL world refuses two ranks on one device; give each rank "
+             "its own GPU (train.learner_num_gpus=1)")
+    _require(backend != "nccl" or (t.learner_num_gpus > 0 and r.generator_num_gpus > 0), "ray.weight_sync_backend",
+             f"nccl moves CUDA tensors only, but train.learner_num_gpus={t.learner_num_gpus:g} and "
+             f"rollout.generator_num_gpus={r.generator_num_gpus:g} put a side on CPU; set "
+             "ray.weight_sync_backend=auto (gloo on CPU) or give both GPUs")
+    _require(backend != "nccl" or t.learner_num_gpus + r.generator_num_gpus > 1, "ray.weight_sync_backend",
+             f"nccl with train.learner_num_gpus={t.learner_num_gpus:g} and rollout.generator_num_gpus="
+             f"{r.generator_num_gpus:g}: learner and generator fit on one GPU, where Ray colocates them, and NCCL "
+             "refuses two ranks on one device; set ray.weight_sync_backend=auto (ipc on a shared GPU) or ipc, "
+             "or reserve whole GPUs (train.learner_num_gpus=1, rollout.generator_num_gpus=1)")
+    _require(backend != "ipc" or r.tensor_parallel_size == 1 or r.generator_num_gpus == 0, "ray.weight_sync_backend",
+             f"ipc with rollout.tensor_parallel_size={r.tensor_parallel_size}: ipc maps the learner's GPU memory, "
+             "but a TP engine holds whole GPUs of its own (rollout.generator_num_gpus="
+             f"{r.generator_num_gpus:g}), none of them the learner's; set ray.weight_sync_backend=auto or nccl, "
+             "or rollout.tensor_parallel_size=1")
 
 
 def describe(cls=Config, prefix: str = "") -> list[str]:
