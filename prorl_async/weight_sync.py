@@ -231,12 +231,25 @@ def checksums_match(got: Sequence[float], expected: Sequence[float]) -> bool:
     return len(got) == len(expected) and all(int(g) == int(e) for g, e in zip(got, expected))
 
 
+def on_device(have: torch.device, device) -> bool:
+    """Whether a tensor on ``have`` already lives on ``device``. A tensor's CUDA device always
+    carries its index (``cuda:0``) while ``"cuda"`` names the current GPU, and
+    ``torch.device("cuda:0") == torch.device("cuda")`` is False: a missing index is read as the
+    current device's."""
+    want = torch.device(device)
+    if want.type != have.type:
+        return False
+    if want.index is None:
+        return want.type != "cuda" or have.index == torch.cuda.current_device()
+    return want.index == have.index
+
+
 def _pack(tensors: Sequence[torch.Tensor], dtype: torch.dtype, device) -> torch.Tensor:
     """One flat buffer of ``dtype`` on ``device`` holding ``tensors`` in order; no copy when it
     is a single contiguous tensor already of that dtype and device."""
     if len(tensors) == 1:
         t = tensors[0].detach()
-        if t.dtype == dtype and t.is_contiguous() and t.device == torch.device(device):
+        if t.dtype == dtype and t.is_contiguous() and on_device(t.device, device):
             return t.reshape(-1)
     out = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device)
     offset = 0

