@@ -377,10 +377,11 @@ class TrainingLoop:
         self.s.resyncs += 1
 
 
-def fitted_rows(cfg: Config, model_path: str, rows: list[dict], source: str) -> tuple[list[dict], int]:
-    """``rows`` whose prompt + ``rollout.max_new_tokens`` fit the model's context; how many were dropped (warned)."""
+def fitted_rows(cfg: Config, model_path: str, rows: list[dict], source: str, lengths: list) -> tuple[list, int]:
+    """``rows`` whose prompt + ``rollout.max_new_tokens`` fit the model's context; how many were
+    dropped (warned). The kept prompts' lengths are appended to ``lengths``."""
     return drop_unfit(rows, load_tokenizer(model_path), context_length(model_path), cfg.rollout.max_new_tokens,
-                      source, strict=cfg.data.strict)
+                      source, strict=cfg.data.strict, lengths=lengths)
 
 
 def run_preflight(cfg: Config, actors: Actors, source: Curriculum) -> None:
@@ -412,15 +413,16 @@ def _run(cfg: Config, resume, run_dir, t0: float) -> dict:
     model_path = resolve_model_path(cfg.model, seed=cfg.train.seed)
     for module in cfg.reward.extra_modules:  # custom verifiers register their domains on import
         importlib.import_module(module)
-    eval_rows, eval_dropped = fitted_rows(cfg, model_path, load_source(cfg.data.eval, cfg.data), "data.eval")
-    train_rows, train_dropped = fitted_rows(cfg, model_path, load_train_rows(cfg.data), "data.train")
+    lengths: list[int] = []  # of every prompt: vLLM's context on GPU is the longest + max_new_tokens
+    eval_rows, eval_dropped = fitted_rows(cfg, model_path, load_source(cfg.data.eval, cfg.data), "data.eval", lengths)
+    train_rows, train_dropped = fitted_rows(cfg, model_path, load_train_rows(cfg.data), "data.train", lengths)
     source = prompt_source(cfg, train_rows)
     started = init_ray(cfg, log_dir=run_dir / "logs")  # actors' output: logs/<role>.log
     tracker = actors = loop = None
     try:
         tracker = Tracker(cfg.tracking.aim_repo, cfg.tracking.experiment, cfg.tracking.run_name or run_dir.name,
                           config_to_dict(cfg), enabled=cfg.tracking.enabled, run_hash=checkpointing.aim_hash(resume))
-        actors = Actors.start(cfg, model_path, name=f"prorl-{run_dir.name}")
+        actors = Actors.start(cfg, model_path, name=f"prorl-{run_dir.name}", longest_prompt=max(lengths, default=0))
         if cfg.train.record_rollouts:  # the ledger of every trained token (prorl_async.ledger)
             ray.get(actors.learner.record_ledger.remote(str(run_dir.resolve())))
         if isinstance(source, Curriculum) and resume is None:

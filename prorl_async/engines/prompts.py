@@ -114,10 +114,11 @@ def encode_prompt(tokenizer, prompt, row_id: str = "?") -> list[int]:
     return list(ids)
 
 
-def fit_to_context(rows: list[dict], tokenizer, context: int | None,
-                   max_new_tokens: int) -> tuple[list[dict], list[tuple[str, str]]]:
+def fit_to_context(rows: list[dict], tokenizer, context: int | None, max_new_tokens: int,
+                   lengths: list[int] | None = None) -> tuple[list[dict], list[tuple[str, str]]]:
     """(the rows whose prompt encodes and leaves ``max_new_tokens`` of room in ``context``,
-    ``[(id, reason), ...]`` of the others). ``context`` None: only encoding is checked."""
+    ``[(id, reason), ...]`` of the others). ``context`` None: only encoding is checked. The kept
+    rows' prompt lengths in tokens are appended to ``lengths`` when given."""
     kept, dropped = [], []
     for row in rows:
         rid = str(row.get("id", "?"))
@@ -131,13 +132,16 @@ def fit_to_context(rows: list[dict], tokenizer, context: int | None,
                                  f"the model's context of {context}"))
             continue
         kept.append(row)
+        if lengths is not None:
+            lengths.append(n)
     return kept, dropped
 
 
 def drop_unfit(rows: list[dict], tokenizer, context: int | None, max_new_tokens: int, source: str,
-               strict: bool = False) -> tuple[list[dict], int]:
-    """(the rows of ``source`` that fit, how many were dropped); see the module doc."""
-    kept, dropped = fit_to_context(rows, tokenizer, context, max_new_tokens)
+               strict: bool = False, lengths: list[int] | None = None) -> tuple[list[dict], int]:
+    """(the rows of ``source`` that fit, how many were dropped); see the module doc. ``lengths``:
+    as :func:`fit_to_context`'s."""
+    kept, dropped = fit_to_context(rows, tokenizer, context, max_new_tokens, lengths)
     if not dropped:
         return kept, 0
     if strict:

@@ -144,8 +144,10 @@ def test_rows_that_leave_no_room_for_the_response_are_dropped_by_name(tiny_model
 
     with pytest.warns(UserWarning, match=r"data.train: dropped 2 of 5 row\(s\) whose prompt does not fit the model: r1: "
                                          r"prompt of"):
-        kept2, n = drop_unfit(rows, tok, TINY_POSITIONS, 16, "data.train")
+        lengths = [7]  # appended to: the run's eval and train rows go into one list
+        kept2, n = drop_unfit(rows, tok, TINY_POSITIONS, 16, "data.train", lengths=lengths)
     assert (kept2, n) == (kept, 2)
+    assert lengths == [7, sizes[0], sizes[2], sizes[4]]  # the kept prompts' lengths (vLLM's context on GPU)
     with pytest.raises(ValueError, match=r"data.train: row 'r1': prompt of \d+ tokens .*\(data.strict\)"):
         drop_unfit(rows, tok, TINY_POSITIONS, 16, "data.train", strict=True)
     with pytest.raises(ValueError, match="no prompt of its 2 rows fits the model .* lower rollout.max_new_tokens"):
