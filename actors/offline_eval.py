@@ -5,13 +5,18 @@ The same generators and grader as a training run's held-out evaluation
 engine at ``train.eval_temperature`` (when set; else ``rollout.temperature``), graded by the domain verifiers; pass@1 is the mean
 correctness over the samples of a prompt, pass@k whether any of them is correct
 (:func:`prorl_async.metrics.pass_at_k`). Only generators and the grader are started (no
-learner, no buffer, no weight sync); an Aim run only with ``--aim``.
+learner, no buffer, no weight sync); an Aim run only with ``--aim``. The console holds only the
+project's lines, as a training run's (:mod:`prorl_async.console`): the actors' output goes to
+``<out>-logs/`` beside ``--out`` (else a temporary folder), named on the last line; ``--verbose``
+streams it to the console instead.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,6 +24,7 @@ import ray
 
 from prorl_async.checkpoint import policy_folder
 from prorl_async.config import Config, config_to_dict
+from prorl_async.console import ActorWarnings, quiet_driver, verbose, with_role
 from prorl_async.data.datasets import load_source
 from prorl_async.engines.prompts import drop_unfit
 from prorl_async.models import BUILTIN_PREFIX, context_length, load_tokenizer, resolve_model_path
@@ -49,6 +55,15 @@ def report(result: dict, k: int) -> str:
 def run_eval(cfg: Config, data: str, samples: int, out: str = "", aim: bool = False) -> dict:
     """Evaluate ``cfg.model.path`` on ``data``; prints the table, writes ``out`` (JSON) if given."""
     t0 = time.time()
+    log_dir = Path(f"{Path(out).with_suffix('')}-logs").resolve() if out else Path(tempfile.mkdtemp(prefix="prorl-eval-logs-"))
+    restore = quiet_driver(log_dir)  # other packages' warnings and log records to log_dir/driver.log
+    try:
+        return _run_eval(cfg, data, samples, out, aim, log_dir, t0)
+    finally:
+        restore()
+
+
+def _run_eval(cfg: Config, data: str, samples: int, out: str, aim: bool, log_dir: Path, t0: float) -> dict:
     model_path = resolve_model_path(cfg.model, seed=cfg.train.seed)
     for module in cfg.reward.extra_modules:  # custom verifiers register their domains on import
         importlib.import_module(module)
@@ -57,16 +72,18 @@ def run_eval(cfg: Config, data: str, samples: int, out: str = "", aim: bool = Fa
         raise ValueError(f"--data {data}: no rows")
     rows, dropped = drop_unfit(rows, load_tokenizer(model_path), context_length(model_path), cfg.rollout.max_new_tokens,
                                f"--data {data}", strict=cfg.data.strict)
-    started = init_ray(cfg)
-    actors, tracker = None, Tracker(cfg.tracking.aim_repo, cfg.tracking.experiment, cfg.tracking.run_name or "eval",
-                                    config_to_dict(cfg), enabled=aim)
+    started = init_ray(cfg, log_dir=log_dir)  # the actors' output to log_dir/<role>.log
+    actors, tracker, held = None, Tracker(cfg.tracking.aim_repo, cfg.tracking.experiment, cfg.tracking.run_name or "eval",
+                                    config_to_dict(cfg), enabled=aim), ActorWarnings()
     try:
         placed = [generator_placement(cfg, i) for i in range(cfg.rollout.num_generators)]
         gens = [GeneratorActor.options(**opts).remote(cfg, model_path, i) for i, (opts, _) in enumerate(placed)]
-        actors = Actors(gens, GraderActor.options(num_cpus=0).remote(cfg), None, None,
+        actors = Actors(gens, GraderActor.options(**with_role({"num_cpus": 0}, "grader")).remote(cfg), None, None,
                         [pg for _, pg in placed if pg is not None])
         get([g.ready.remote() for g in gens] + [actors.grader.ready.remote()], 600, "starting the actors")
         val = evaluate(cfg, actors, rows, 0, tracker, show=True, samples=samples)
+        for line in held.poll(actors.all(), wait_s=5.0):  # the project's warnings raised in the actors
+            print(line, file=sys.stderr, flush=True)
     finally:
         tracker.close()
         if actors is not None:
@@ -82,4 +99,6 @@ def run_eval(cfg: Config, data: str, samples: int, out: str = "", aim: bool = Fa
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {out}", flush=True)
+    if not verbose():
+        print(f"actors' output: {log_dir}", flush=True)
     return result

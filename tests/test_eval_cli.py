@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 from prorl_async.checkpoint import policy_folder
 from prorl_async.data.arithmetic import generate
 from tests.conftest import cli
+from tests.test_console import foreign_lines
 
 
 def test_eval_a_builtin_model_on_a_verl_parquet(tmp_path, model_cache):
@@ -29,6 +30,10 @@ def test_eval_a_builtin_model_on_a_verl_parquet(tmp_path, model_cache):
     assert "pass@1" in res.stdout and "arithmetic" in res.stdout and "wrote r.json" in res.stdout
     assert not (tmp_path / "aim").exists() and r["aim_run_hash"] is None  # no Aim run unless --aim
     assert not list(tmp_path.glob("runs*"))  # nor a training run directory
+    # the console holds the project's lines only; the actors' output is in r-logs/, named at the end
+    assert foreign_lines(res.stdout + res.stderr) == [], res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.stdout.rstrip().endswith(f"actors' output: {tmp_path / 'r-logs'}")
+    assert {"generator-0.log", "grader.log"} <= {p.name for p in (tmp_path / "r-logs").iterdir()}
 
 
 def test_eval_humaneval_with_the_tiny_model_completes(tmp_path, model_cache):
