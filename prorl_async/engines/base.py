@@ -12,6 +12,22 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 
+def stop_token_ids(model_path: str, tokenizer: Any) -> list[int]:
+    """The token ids that end a response, for every engine alike: the tokenizer's end-of-sequence
+    token and every ``eos_token_id`` of the model's ``generation_config.json`` (a model may list
+    several, e.g. an end-of-turn and an end-of-text token). vLLM stops on the generation
+    config's ids by itself and HF's ``generate`` only on what it is given, so both get this list."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    try:
+        from transformers import GenerationConfig
+
+        extra = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except (OSError, ValueError):  # no generation_config.json: the tokenizer's token alone
+        extra = None
+    ids.update([extra] if isinstance(extra, int) else (extra or []))
+    return sorted(ids)
+
+
 @dataclass(frozen=True)
 class SamplingSpec:
     n: int = 1

@@ -17,7 +17,7 @@ from typing import Iterable, Optional
 import torch
 
 from prorl_async import machine
-from prorl_async.engines.base import Completion, SamplingSpec
+from prorl_async.engines.base import Completion, SamplingSpec, stop_token_ids
 from prorl_async.weight_ipc import IpcWeightReceiver
 from prorl_async.weight_sync import WeightSyncGroup, tensor_checksum
 from prorl_async.models import context_length, load_model, load_tokenizer
@@ -28,6 +28,7 @@ class HFEngine:
 
     def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu", **_):
         self.tokenizer = load_tokenizer(model_path)
+        self.stops = stop_token_ids(model_path, self.tokenizer)  # the ids that end a response (as vLLM's)
         self.model = load_model(model_path, dtype).to(device).eval()
         self.device = device
         self.context = context_length(model_path)  # prompt + response positions the model accepts
@@ -64,17 +65,16 @@ class HFEngine:
                 input_ids=ids, attention_mask=att, max_new_tokens=spec.max_new_tokens,
                 do_sample=not spec.greedy, temperature=spec.temperature if not spec.greedy else None,
                 top_p=spec.top_p if not spec.greedy else None, top_k=0 if not spec.greedy else None,
-                pad_token_id=pad, eos_token_id=tok.eos_token_id,
+                pad_token_id=pad, eos_token_id=self.stops,
                 output_logits=True, return_dict_in_generate=True)
         seqs = out.sequences[:, width:]
         logits = torch.stack(out.logits, dim=1).float()  # [B, L, V], raw model logits
         temp = 1.0 if spec.greedy else spec.temperature
         logp = torch.log_softmax(logits / temp, dim=-1).gather(-1, seqs[..., None]).squeeze(-1)
-        eos = tok.eos_token_id
         completions: list[Completion] = []
         for row, lp in zip(seqs.tolist(), logp.tolist()):
-            if eos in row:
-                end = row.index(eos) + 1
+            end = next((i + 1 for i, t in enumerate(row) if t in self.stops), 0)  # through the first stop token
+            if end:
                 completions.append(Completion(row[:end], lp[:end], "stop", version, version, [version] * end))
             else:
                 completions.append(Completion(row, lp, "length", version, version, [version] * len(row)))

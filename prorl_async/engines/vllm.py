@@ -74,7 +74,7 @@ from typing import Optional
 import torch
 
 from prorl_async.config import ENFORCE_EAGER_CHOICES, VLLM_ENGINE_CORES
-from prorl_async.engines.base import Completion, SamplingSpec
+from prorl_async.engines.base import Completion, SamplingSpec, stop_token_ids
 from prorl_async.weight_sync import WeightSyncError, tensor_checksum
 from prorl_async.models import load_model, load_tokenizer, machine_dtype
 
@@ -198,6 +198,7 @@ class VLLMEngine:
         self.in_process = in_process
         self.engine.set_weight_version("0")  # the engine core labels every step's tokens with it
         self.tokenizer = load_tokenizer(model_path)
+        self.stops = stop_token_ids(model_path, self.tokenizer)  # the ids that end a response (as the HF engine's)
         self.weight_sync_ranks = tensor_parallel_size
         self.inflight_weight_updates = inflight_weight_updates
         self.manifest = checkpoint_manifest(model_path, dtype)
@@ -228,7 +229,8 @@ class VLLMEngine:
         from vllm.sampling_params import RequestOutputKind
 
         common = dict(n=spec.n, max_tokens=spec.max_new_tokens, logprobs=0, detokenize=False,
-                      ignore_eos=spec.ignore_eos, output_kind=RequestOutputKind.DELTA)
+                      ignore_eos=spec.ignore_eos, output_kind=RequestOutputKind.DELTA,
+                      stop_token_ids=[] if spec.ignore_eos else self.stops)
         if spec.greedy:
             return SamplingParams(temperature=0.0, **common)
         return SamplingParams(temperature=spec.temperature, top_p=spec.top_p, **common)
