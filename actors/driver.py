@@ -94,8 +94,8 @@ class TrainingLoop:
                 raise RunError(f"no progress for {self.cfg.train.batch_timeout_s:.0f}s (train.batch_timeout_s); "
                                f"{len(s.pending)} calls pending, buffer holds {s.buffered} groups")
         if s.signalled:
-            print(f"{s.signalled}: nothing new starts; {len(s.pending)} calls in flight land, then a checkpoint "
-                  f"(send {s.signalled} again to stop at once)", flush=True)
+            print(f"{s.signalled}: nothing new starts; {len(s.pending)} calls in flight land, then a checkpoint (send "
+                  f"{s.signalled} again to stop at once)", flush=True)
         while s.pending:  # in-flight rollouts and the last weight sync land before the final evaluation
             self.handle_completions(timeout=self.cfg.train.sync_timeout_s)
         if s.resync_needed:  # a generator restarted after the last step: it gets the final weights
@@ -261,8 +261,9 @@ class TrainingLoop:
             val = evaluate(self.cfg, self.actors, self.eval_rows, s.version, self.tracker)
         except EVALUATION_FAILED as err:
             return self.evaluation_failed(err)
+        val.update({f"val/{k}": v for k, v in self.grader_health().items()})  # its grading, not the next step's
         reset = ray.get(self.actors.learner.observe_validation.remote(s.version, val["val/pass@1"]))  # stalled?
-        self.tracker.track(reset, s.version)  # ref/reset_val_stall: ProRL resets the reference on a stall
+        self.tracker.track({**reset, **{k: v for k, v in val.items() if k.startswith("val/grader/")}}, s.version)
         s.busy_s["eval"] += time.time() - t0
         s.history[-1].update({**val, **reset, "val/time": time.time() - s.t_start})
         s.last_eval, s.eval_owed = s.version, False
@@ -306,9 +307,11 @@ class TrainingLoop:
 
     def checkpoint(self, reason: str) -> None:
         """A checkpoint of the current step (``reason``: interval, end, error ...), after the barrier;
-        none without a run dir. Also for a clean stop while the learner is alive."""
+        none without a run dir; also for a clean stop. An evaluation due at the step runs first: the checkpoint holds it."""
         if self.run_dir is not None:
             self.barrier()
+            if reason == "interval" and self.eval_due() and not self.s.resync_needed:
+                self.evaluate_held_out()
             checkpointing.save(self, reason)
 
     def barrier(self) -> None:

@@ -270,9 +270,10 @@ def test_bad_resume_inputs_give_one_error_line_and_exit_2(tmp_path):
 BASE = ["train.prompts_per_step=8", "rollout.n=4", "rollout.prompts_per_request=4", "train.eval_interval=0",
         "train.eval_samples=1", "model.warmup_steps=200", "data.eval=builtin:arithmetic?n=4&seed=2&split=eval",
         "train.micro_batch_size=32", "ray.num_cpus=2", "train.keep_last=3"]
-# 12 prompts, 8 per step, every group trained (no dynamic sampling): 3 steps = 24 prompts = 2 epochs
+# 12 prompts, 8 per step, every group trained (no dynamic sampling): 3 steps = 24 prompts = 2 epochs;
+# an evaluation at step 3, the step of the checkpoint the killed run resumes from
 SYNC = BASE + ["train.max_staleness=0", "algo.dynamic_sampling=false", "train.checkpoint_interval=3",
-               "data.train=builtin:arithmetic?n=12&seed=1&split=train"]
+               "train.eval_interval=3", "data.train=builtin:arithmetic?n=12&seed=1&split=train"]
 ASYNC = BASE + ["train.max_staleness=1", "train.checkpoint_interval=2", "rollout.num_generators=2",
                 "rollout.generator_num_cpus=0.5", "train.learner_num_cpus=0.5"]
 
@@ -367,11 +368,12 @@ def runs(tmp_path_factory, model_cache):
     first = {k: json.loads((checkpoint.load_latest(d[k]).path / "driver.json").read_text())
              for k in ("sync_resumed", "async_resumed")}
     manifests = {k: checkpoint.load_latest(d[k]).manifest for k in first}
+    first_history = {k: _history(checkpoint.load_latest(d[k]).path) for k in first}
     buffered = pq.read_table(checkpoint.load_latest(d["async_resumed"]).path / "buffer.parquet")
     buffered = {f"{r['request_id']}/{r['prompt_id']}" for r in buffered.select(["request_id", "prompt_id"]).to_pylist()}
     killed_outputs = [f for f in ("summary.json", "trained_groups.jsonl", "final") if (d["sync_resumed"] / f).exists()]
     _wait({name: _launch(["--resume", str(d[name])], d[name], tmp, model_cache) for name in ("sync_resumed", "async_resumed")})
-    return {"dirs": d, "first": first, "manifests": manifests, "async_buffered": buffered,
+    return {"dirs": d, "first": first, "manifests": manifests, "first_history": first_history, "async_buffered": buffered,
             "stopped_log": stopped_log, "killed_outputs": killed_outputs}
 
 
@@ -383,7 +385,7 @@ def _groups(run_dir: Path) -> list[list[str]]:
     return [json.loads(line) for line in (run_dir / "trained_groups.jsonl").read_text().splitlines() if line]
 
 
-TIMING = ("perf/", "time/", "sys/rss_mb/", "grader/rss_mb", "async/learner_idle_frac", "async/generator_idle_frac", "async/grader_idle_frac",
+TIMING = ("perf/", "time/", "val/time", "sys/rss_mb/", "grader/rss_mb", "async/learner_idle_frac", "async/generator_idle_frac", "async/grader_idle_frac",
           "async/gen_overlap", "grader/queue_wait", "grader/grade_", "grader/responses_per_s")
 
 
@@ -398,11 +400,14 @@ def test_sync_resume_is_exact_across_an_epoch_boundary(runs):
     assert first["version"] == 3 and first["source"] == {"epoch": 1, "pos": 12, "consumed": 24, "seed": 0,
                                                        "order": "seed-epoch"}
     assert runs["killed_outputs"] == []
+    # the step-3 evaluation ran before its checkpoint, which holds it: a resume does not lose it
+    assert first["last_eval"] == 3
+    assert [("val/pass@1" in h) for h in runs["first_history"]["sync_resumed"]] == [False, False, True]
     # same steps, same prompts per step, same per-step metrics (timings aside), bit for bit
     hs, hr = _history(straight), _history(resumed)
     assert [h["step"] for h in hr] == [h["step"] for h in hs] == [1, 2, 3, 4, 5, 6]
     for a, b in zip(hs, hr):
-        keys = [k for k in a if k != "time" and not k.startswith(TIMING)]
+        keys = [k for k in a if k != "time" and not (k.startswith(TIMING) or k.removeprefix("val/").startswith(TIMING))]
         assert {k: b.get(k) for k in keys} == {k: a[k] for k in keys}, a["step"]
     gs, gr = _groups(straight), _groups(resumed)
     prompts = lambda groups: [[g.split("/", 1)[1] for g in step] for step in groups]  # noqa: E731
