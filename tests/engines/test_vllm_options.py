@@ -42,6 +42,18 @@ def test_explicit_settings_win_on_either_device():
     assert _llm_kwargs(never, on_gpu=False)["enforce_eager"] is False
 
 
+def test_yaml_true_and_false_mean_always_and_never(tmp_path):
+    # a user writes `enforce_eager: true` in YAML, which arrives as a bool, not as one of the names
+    path = tmp_path / "eager.yaml"
+    path.write_text("rollout:\n  enforce_eager: true\n")
+    from_file = load_config(str(path), VLLM)
+    assert from_file.rollout.enforce_eager == "always"
+    assert _llm_kwargs(from_file, on_gpu=True)["enforce_eager"] is True
+    from_override = load_config(None, [*VLLM, "rollout.enforce_eager=false"])
+    assert from_override.rollout.enforce_eager == "never"
+    assert _llm_kwargs(from_override, on_gpu=False)["enforce_eager"] is False
+
+
 @pytest.mark.parametrize("override, needle", [
     ("rollout.enforce_eager=eager", "rollout.enforce_eager: must be auto, always or never"),
     ("rollout.max_model_len=8192", "rollout.max_model_len: must be 0 (auto) or exceed rollout.max_new_tokens=8192"),
