@@ -229,7 +229,7 @@ class TrainingLoop:
     def log_step(self, m: dict) -> None:
         s, now = self.s, time.time()
         m.update(rollout_metrics(s.window, now - s.t_last_step))
-        s.t_last_step = now
+        s.t_last_step = s.last_progress = now
         for dom, dm in domain_metrics(s.window).items():
             self.tracker.track(dm, s.version, {"domain": dom})
         m.update(utilisation_metrics(now - s.t_start, s.train_busy_s, s.gen_busy_s, s.busy_s))
@@ -243,11 +243,11 @@ class TrainingLoop:
         s.window = zero_sums()
         self.refill.step_done(now)
         self.tracker.track(m, s.version)
+        m["perf/tracking_s"], s.tracking_s = self.tracker.seconds - s.tracking_s, self.tracker.seconds
         s.history.append({"step": s.version, "time": now - s.t_start, **m})
         print(progress_line(s.version, self.cfg.train.total_steps, m, s.t_start), flush=True)
         for line in self.actor_warnings.poll(self.actors.all()):
             print(line, file=sys.stderr, flush=True)
-        s.last_progress = now
 
     # ------------------------------------------------------------ evaluate, checkpoint
     def eval_due(self) -> bool:

@@ -60,6 +60,7 @@ class LoopState:
     # ------------------------------------------------------------------------ not saved
     t_start: float = 0.0         # run start (a resumed run: now minus the checkpoint's elapsed_s)
     t_last_step: float = 0.0
+    tracking_s: float = 0.0      # the tracker's seconds in Aim at the last step line (perf/tracking_s per step)
     last_progress: float = 0.0
     gen_version: list = field(default_factory=list)
     gen_busy: list = field(default_factory=list)

@@ -21,6 +21,7 @@ class Tracker:
         """``run_hash``: continue that Aim run (a resumed training run); a new run if it is gone."""
         self.run = None
         self.hash: Optional[str] = None
+        self.seconds = 0.0  # spent writing to Aim since the start: the cost of tracking, measured where it is paid
         if enabled:
             from aim import Run
 
@@ -42,20 +43,24 @@ class Tracker:
     def track(self, metrics: dict, step: int, context: Optional[dict] = None) -> None:
         if self.run is None:
             return
+        t0 = time.perf_counter()
         for name, value in metrics.items():
             if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
             if not math.isfinite(float(value)):
                 continue
             self.run.track(float(value), name=name, step=step, context=context or {})
+        self.seconds += time.perf_counter() - t0
 
     def text(self, name: str, texts: list[str], step: int, context: Optional[dict] = None) -> None:
         if self.run is None:
             return
         from aim import Text
 
+        t0 = time.perf_counter()
         for i, t in enumerate(texts):
             self.run.track(Text(t), name=name, step=step, context={**(context or {}), "index": i})
+        self.seconds += time.perf_counter() - t0
 
     def set(self, key: str, value) -> None:
         if self.run is not None:

@@ -1,4 +1,4 @@
-"""The shipped configs validate, and the GPU config carries the published ProRL v2 values.
+"""The shipped configs validate and track to Aim, and the GPU config carries the published ProRL v2 values.
 
 The values are those of the two public ProRL v2 configurations (OpenRLHF
 ``examples/scripts/train_prorlv2_math_hybrid_engine.sh``, NeMo-RL ``examples/configs/prorlv2.v2.yaml``);
@@ -16,8 +16,9 @@ GPU = Path(__file__).resolve().parents[1] / "configs" / "prorl_v2_1.5b_gpu.yaml"
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_every_shipped_config_validates(path):
-    load_config(str(path))
+def test_every_shipped_config_validates_and_tracks_to_aim(path):
+    cfg = load_config(str(path))
+    assert cfg.tracking.enabled, f"{path.name}: tracking off (issue 27: every shipped config tracks to Aim)"
 
 
 def test_gpu_config_follows_the_published_recipe():

@@ -26,13 +26,15 @@ def test_smollm2_config_trains_two_steps(tmp_path, smollm2_model, model_cache):
     carriage return; vLLM's, DeepSpeed's and torch's lines are in the run's logs/ folder."""
     run_dir = tmp_path / "run"
     res = cli("train", "--config", str(ROOT / "configs" / "smollm2_cpu.yaml"), *SMALL,
-              f"model.cache_dir={model_cache}", f"run_dir={run_dir}", timeout=1500, raw=True)
+              f"model.cache_dir={model_cache}", f"run_dir={run_dir}", f"tracking.aim_repo={tmp_path / 'aim'}",
+              timeout=1500, raw=True)
     raw = res.stdout + res.stderr
     out, stdout = raw.decode(errors="replace"), res.stdout.decode(errors="replace")
     assert res.returncode == 0, out[-4000:]
     assert foreign_lines(out) == [], out[-4000:]
     assert b"\r" not in raw
     assert "WARNING" in (run_dir / "logs" / "generator-0.log").read_text()  # vLLM's lines went to the file
+    assert (tmp_path / "aim" / ".aim").is_dir()  # the config tracks to Aim, and Aim wrote nothing to the console
     history = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
     assert [h["step"] for h in history] == [1, 2]
     for h in history:
@@ -46,7 +48,7 @@ def test_smollm2_verbose_shows_the_engines_lines(tmp_path, smollm2_model, model_
     """``--verbose``: vLLM's lines reach the console again, as Ray streams them."""
     res = cli("train", "--verbose", "--config", str(ROOT / "configs" / "smollm2_cpu.yaml"), *SMALL,
               "train.total_steps=1", "train.eval_interval=0", f"model.cache_dir={model_cache}",
-              f"run_dir={tmp_path / 'run'}", timeout=1500)
+              f"run_dir={tmp_path / 'run'}", f"tracking.aim_repo={tmp_path / 'aim'}", timeout=1500)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
     assert re.search(r"\(GeneratorActor pid=\d+\).* WARNING .*\[\w+\.py:\d+\]", out), out[-4000:]
@@ -62,7 +64,8 @@ def test_prorl_smollm2_config_preflights_its_pools_and_trains(tmp_path, smollm2_
               "train.total_steps=2", "train.prompts_per_step=4", "rollout.prompts_per_request=8",
               "curriculum.preflight_prompts=2", "rollout.max_new_tokens=24", "train.eval_interval=0",
               "data.eval=reasoning-gym:gcd?n=2&seed=2&split=eval&shots=2&max_value=20", "train.eval_samples=1",
-              "train.checkpoint_interval=0", f"model.cache_dir={model_cache}", f"run_dir={run_dir}", timeout=1500)
+              "train.checkpoint_interval=0", f"model.cache_dir={model_cache}", f"run_dir={run_dir}",
+              f"tracking.aim_repo={tmp_path / 'aim'}", timeout=1500)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
     assert "preflight:" in res.stdout and "pools active" in res.stdout, res.stdout[-3000:]

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 def test_cli_run_vllm_generator_deepspeed_learner(tmp_path, model_cache):
     run_dir = tmp_path / "run"
     res = cli("train", "--config", str(ROOT / "configs" / "vllm_cpu_deepspeed.yaml"), "train.total_steps=4",
-              f"run_dir={run_dir}", f"model.cache_dir={model_cache}", "tracking.enabled=false",
+              f"run_dir={run_dir}", f"model.cache_dir={model_cache}", f"tracking.aim_repo={tmp_path / 'aim'}",
               cwd=ROOT, env={"PYTHONPATH": str(ROOT), "TORCH_EXTENSIONS_DIR": str(tmp_path / "torch-ext")},
               timeout=1200)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
