@@ -38,7 +38,7 @@ from prorl_async.selection import Best, improves, parse_stop_at, require_logged
 from prorl_async.staleness import plan_requests
 from prorl_async.tracking import Tracker, progress_line
 
-from actors import checkpointing
+from actors import checkpointing, storage
 from actors.cluster import Actors, RunError, cause, init_ray
 from actors.evaluation import StaleWeights, evaluate, held_out, preflight
 from actors.failures import (CALLED, EVALUATED, GRADER_METRICS, Count, EvaluateAgain, FailurePolicy, Reissue, Resync,
@@ -426,8 +426,7 @@ def _run(cfg: Config, resume, run_dir, t0: float) -> dict:
         tracker = Tracker(cfg.tracking.aim_repo, cfg.tracking.experiment, cfg.tracking.run_name or run_dir.name,
                           config_to_dict(cfg), enabled=cfg.tracking.enabled, run_hash=checkpointing.aim_hash(resume))
         actors = Actors.start(cfg, model_path, name=f"prorl-{run_dir.name}", longest_prompt=max(lengths, default=0))
-        if cfg.train.record_rollouts:  # the ledger of every trained token (prorl_async.ledger)
-            ray.get(actors.learner.record_ledger.remote(str(run_dir.resolve())))
+        storage.open_run_dir(cfg, actors.learner, run_dir, model_path)  # seen from the learner's nodes; the ledger
         if isinstance(source, Curriculum) and resume is None:
             run_preflight(cfg, actors, source)
             tracker.track(source.metrics(), 0)

@@ -18,6 +18,7 @@ from prorl_async.learners.base import Learner
 from prorl_async.learners.batch import shard_groups
 from prorl_async.learners.core import sync_device
 from prorl_async.ledger import write_step
+from prorl_async.outputs import look_at_run_dir
 from prorl_async.metrics import rss_mb
 from prorl_async.weight_ipc import IpcWeightSender, device_key
 from prorl_async.weight_sync import WeightSyncGroup, free_port, tensor_checksum
@@ -62,6 +63,10 @@ class LearnerActor:
         """Write every step's ledger rows under ``run_dir/ledger/`` (:mod:`prorl_async.ledger`)."""
         self._ledger_run_dir = run_dir
         return True
+
+    def look_at_run_dir(self, run_dir: str, model_path: str) -> dict:
+        """What this rank's node sees of ``run_dir`` and the model (:mod:`actors.storage`)."""
+        return look_at_run_dir(run_dir, self.rank, local_ip(), model_path)
 
     def _write_ledger(self, metrics: dict) -> dict:
         """The step's ledger file, with the held-out scores received before it; ``perf/ledger_s``."""
@@ -175,6 +180,9 @@ class LearnerGroup:
 
     def record_ledger(self, run_dir: str) -> bool:
         return self._all("record_ledger", run_dir)
+
+    def look_at_run_dir(self, run_dir: str, model_path: str) -> list[dict]:
+        return ray.get([m.look_at_run_dir.remote(run_dir, model_path) for m in self.members])
 
     def train_step(self, batch, step: int) -> dict:
         """``batch``: ``[ObjectRef]`` of the batch table (preferred: the bytes never pass through

@@ -11,6 +11,8 @@
                            (HF folder like final/, plus ``best.json``: metric, mode, step, value)
     checkpoints/           :mod:`prorl_async.checkpoint`
     ledger/                every trained token, one Parquet file per step (:mod:`prorl_async.ledger`)
+    .storage-probe*        for a moment before step 1: the driver's token and each learner rank's copy
+                           (:mod:`actors.storage`: the same folder on every node)
 
 Pure: no Ray.
 """
@@ -107,3 +109,27 @@ def format_table(before: dict, after: dict) -> str:
     for k in keys:
         lines.append(f"{k:<28}{before[k]:>10.3f}{after[k]:>10.3f}{after[k] - before[k]:>+10.3f}")
     return "\n".join(lines)
+
+
+PROBE = ".storage-probe"
+
+
+def probe_rank_file(run_dir: str | Path, rank: int) -> Path:
+    return Path(run_dir) / f"{PROBE}-rank{rank}"
+
+
+def look_at_run_dir(run_dir: str, rank: int, node: str, model_path: str) -> dict:
+    """What a learner rank sees on its node: the driver's token in ``run_dir`` (written back into
+    its own file there) and whether ``model_path`` exists."""
+    try:
+        token = (Path(run_dir) / PROBE).read_text()
+    except OSError:
+        token = ""
+    wrote = ""
+    if token:
+        try:
+            probe_rank_file(run_dir, rank).write_text(token)
+        except OSError as e:
+            wrote = f"{type(e).__name__}: {e}"
+    return {"rank": rank, "node": node, "token": token, "write_error": wrote,
+            "model_seen": bool(model_path) and Path(model_path).exists()}
