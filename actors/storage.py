@@ -9,7 +9,7 @@ would let a run train for hours and then find its checkpoints on another node's 
 driver writes a probe file with a fresh token into ``run_dir``; every rank reads it, writes the
 token back into a file of its own and reports whether the model's folder exists
 (:func:`prorl_async.outputs.look_at_run_dir`, run inside the learner actor); the driver reads the ranks' files
-(:func:`check`). Anything not seen is one :class:`~actors.cluster.RunError` naming the path,
+(:func:`open_run_dir`). Anything not seen is one :class:`~actors.cluster.RunError` naming the path,
 the rank and its node, and the fix. The Aim repo is written by the driver only and needs no check.
 """
 
@@ -20,16 +20,9 @@ from pathlib import Path
 
 import ray
 
-from prorl_async.outputs import PROBE, probe_rank_file
+from prorl_async.outputs import PROBE, probe_rank_file, read_or_empty
 
 from actors.cluster import RunError
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""
 
 
 def problems(run_dir: Path, token: str, reports: list[dict], model_path: str, configured_run_dir: str) -> list[str]:
@@ -43,7 +36,7 @@ def problems(run_dir: Path, token: str, reports: list[dict], model_path: str, co
             out.append(f"run_dir {run_dir} is not the driver's folder on {where}{relative}: checkpoints and the "
                        f"ledger would be written where the driver cannot read them; put run_dir on storage every "
                        f"node mounts at the same path (run_dir=/shared/runs/NAME)")
-        elif r["write_error"] or _read(probe_rank_file(run_dir, r["rank"])) != token:
+        elif r["write_error"] or read_or_empty(probe_rank_file(run_dir, r["rank"])) != token:
             out.append(f"run_dir {run_dir} is read-only or another folder for writes on {where} "
                        f"({r['write_error'] or 'its file did not reach the driver'}); make it writable from every node")
         if not r["model_seen"]:

@@ -114,6 +114,13 @@ def format_table(before: dict, after: dict) -> str:
 PROBE = ".storage-probe"
 
 
+def read_or_empty(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
 def probe_rank_file(run_dir: str | Path, rank: int) -> Path:
     return Path(run_dir) / f"{PROBE}-rank{rank}"
 
@@ -121,10 +128,7 @@ def probe_rank_file(run_dir: str | Path, rank: int) -> Path:
 def look_at_run_dir(run_dir: str, rank: int, node: str, model_path: str) -> dict:
     """What a learner rank sees on its node: the driver's token in ``run_dir`` (written back into
     its own file there) and whether ``model_path`` exists."""
-    try:
-        token = (Path(run_dir) / PROBE).read_text()
-    except OSError:
-        token = ""
+    token = read_or_empty(Path(run_dir) / PROBE)
     wrote = ""
     if token:
         try:
