@@ -62,8 +62,9 @@ class Job:
 
 def _bf16_available() -> bool:
     """bf16 matmuls run natively: a CPU with AMX or AVX-512-bf16, or a CUDA GPU."""
-    m = machine()
-    return bool(m["amx_bf16"] or m["avx512_bf16"] or m["gpu"])
+    from prorl_async.machine import cpu_has_bf16
+
+    return cpu_has_bf16() or bool(machine()["gpu"])
 
 
 def jobs(quick: bool, cache_dir: str) -> dict[str, Job]:

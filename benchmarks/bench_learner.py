@@ -86,7 +86,7 @@ def matmul_peak(n: int, dtype, reps: int = 5, device: str = "cpu") -> float:
     measured at n <= 512."""
     import torch
 
-    from prorl_async.learners.logprobs import cpu_has_bf16
+    from prorl_async.machine import cpu_has_bf16
 
     if device == "cpu" and dtype == torch.bfloat16 and not cpu_has_bf16():
         n = min(n, 512)

@@ -11,7 +11,7 @@ import ctypes.util
 import functools
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 if TYPE_CHECKING:  # annotations only: the config imports this module
     from prorl_async.config import Config
@@ -32,6 +32,14 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def cpu_has_bf16(flags: Optional[Iterable[str]] = None) -> bool:
+    """Native bf16 matmuls on this CPU (AMX or AVX-512 bf16), or on a CPU with ``flags``: the one
+    place this rule is written (:func:`prorl_async.models.resolve_dtype`, the learners' autocast,
+    the machine facts and the benchmarks ask here)."""
+    have = cpu_flags() if flags is None else set(flags)
+    return any(f in have for f in BF16_CPU_FLAGS)
+
+
 @dataclass(frozen=True)
 class MachineFacts:
     """The facts ``auto`` settings resolve against."""
@@ -46,7 +54,7 @@ def probe_machine(bf16: bool = True) -> MachineFacts:
     if bf16:
         import torch
 
-        native = torch.cuda.is_available() or any(f in cpu_flags() for f in BF16_CPU_FLAGS)
+        native = torch.cuda.is_available() or cpu_has_bf16()
     return MachineFacts(cpus=len(os.sched_getaffinity(0)), omp_wait_policy_set="OMP_WAIT_POLICY" in os.environ,
                         bf16=native)
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from prorl_async.console import bar
-from prorl_async.machine import BF16_CPU_FLAGS, cpu_flags
+from prorl_async.machine import cpu_flags, cpu_has_bf16
 
 BUILTIN_PREFIX = "builtin:"
 CHARS = list("0123456789+-*=() ")
@@ -57,7 +57,7 @@ def resolve_dtype(requested: str, device: str, flags: set[str] | frozenset = fro
         raise ValueError(f"model.dtype: must be auto, float32 or bfloat16, got {requested!r}")
     if device.startswith("cuda"):
         return "bfloat16"
-    return "bfloat16" if any(f in flags for f in BF16_CPU_FLAGS) else "float32"
+    return "bfloat16" if cpu_has_bf16(flags) else "float32"
 
 
 def machine_dtype(requested: str, device: str | None = None) -> str:

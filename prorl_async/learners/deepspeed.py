@@ -44,7 +44,7 @@ import torch.distributed as dist
 from prorl_async.learners import host_memory
 from prorl_async.learners.core import LearnerCore, algo_state
 from prorl_async.learners.files import write_deepspeed_learner
-from prorl_async.learners.logprobs import cpu_has_bf16
+from prorl_async.machine import cpu_has_bf16
 from prorl_async.models import load_model
 from prorl_async.weight_sync import free_port
 

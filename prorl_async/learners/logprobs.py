@@ -28,12 +28,6 @@ from prorl_async.algo.losses import entropy_from_logits, logprobs_from_logits
 from prorl_async.algo.token_logprobs import token_logprobs as chunked_token_logprobs
 from prorl_async.learners.attention import attn_implementation, packed_attention_kwargs, register_varlen_sdpa
 from prorl_async.learners.packing import PackedMicroBatch, pack_micro_batch, pack_shared_micro_batch
-from prorl_async.machine import BF16_CPU_FLAGS, cpu_flags
-
-
-def cpu_has_bf16() -> bool:
-    """True on a CPU with AMX or AVX-512 bf16 (the rule of :func:`prorl_async.models.resolve_dtype`)."""
-    return any(f in cpu_flags() for f in BF16_CPU_FLAGS)
 
 
 def autocast_ctx(device: torch.device, enabled: bool):

@@ -36,7 +36,7 @@ from prorl_async.learners import host_memory
 from prorl_async.learners.compile import compile_applies, compile_decoder_layers
 from prorl_async.learners.core import LearnerCore, algo_state
 from prorl_async.learners.files import read_learner, write_torch_learner
-from prorl_async.learners.logprobs import cpu_has_bf16
+from prorl_async.machine import cpu_has_bf16
 from prorl_async.learners.update_guard import UpdateGuard
 from prorl_async.models import load_model
 

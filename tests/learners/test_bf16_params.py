@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from prorl_async.config import load_config
-from prorl_async.learners.logprobs import cpu_has_bf16
+from prorl_async.machine import cpu_has_bf16
 from prorl_async.learners import torch_learner
 from prorl_async.learners.torch_learner import TorchLearner
 
