@@ -62,6 +62,16 @@ class WeightSyncError(RuntimeError):
     pass
 
 
+def joined(receiver):
+    """An engine's weight receiver (a :class:`WeightSyncGroup` or an IPC receiver), or one clear
+    :class:`WeightSyncError` where the engine has none: its generator started again (Ray restarted
+    it) after the group formed, and a sync reached it before the driver re-formed the group."""
+    if receiver is None:
+        raise WeightSyncError("this engine has not joined the weight-sync group (its generator was restarted "
+                              "after the group formed); the group must be re-formed before the next update")
+    return receiver
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))

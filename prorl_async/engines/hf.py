@@ -19,7 +19,7 @@ import torch
 from prorl_async import machine
 from prorl_async.engines.base import Completion, SamplingSpec, stop_token_ids
 from prorl_async.weight_ipc import IpcWeightReceiver
-from prorl_async.weight_sync import WeightSyncGroup, tensor_checksum
+from prorl_async.weight_sync import WeightSyncGroup, joined, tensor_checksum
 from prorl_async.models import context_length, load_model, load_tokenizer
 
 
@@ -108,7 +108,8 @@ class HFEngine:
         the learner's handles (ipc), copied here, so the learner may free its snapshot."""
         shapes = [(n, tuple(t.shape), t.dtype) for n, t in self.named_tensors()]
         t0 = time.perf_counter()
-        version, tensors = self._sync.receive(payload, shapes) if payload is not None else self._sync.receive(shapes)
+        sync = joined(self._sync)
+        version, tensors = sync.receive(payload, shapes) if payload is not None else sync.receive(shapes)
         with self._lock:
             self._staged = (version, [(n, t.clone()) for n, t in tensors])
         del tensors  # an ipc mapping of the learner's memory ends here

@@ -41,7 +41,7 @@ import torch
 
 from prorl_async import machine
 from prorl_async.weight_ipc import IpcWeightReceiver
-from prorl_async.weight_sync import WeightSyncError, WeightSyncGroup, _checksum, chain_checksums, tensor_checksum
+from prorl_async.weight_sync import WeightSyncError, WeightSyncGroup, _checksum, chain_checksums, joined, tensor_checksum
 
 
 class WeightSyncWorkerExtension:
@@ -70,10 +70,11 @@ class WeightSyncWorkerExtension:
         """Receive one update into staging; apply it now when ``apply``. ``payload``: the
         learner's handles (ipc); what is staged for later is copied out of the learner's memory."""
         t0 = time.perf_counter()
+        sync = joined(getattr(self, "_prorl_sync", None))  # a worker of a restarted generator has none yet
         if payload is not None:
-            version, tensors = self._prorl_sync.receive(payload, self._prorl_expected)
+            version, tensors = sync.receive(payload, self._prorl_expected)
         else:
-            version, tensors = self._prorl_sync.receive(self._prorl_expected)  # raises before staging on mismatch
+            version, tensors = sync.receive(self._prorl_expected)  # raises before staging on mismatch
         if payload is not None and not apply:
             tensors = [(n, t.clone()) for n, t in tensors]
         self._prorl_staged = (version, tensors)

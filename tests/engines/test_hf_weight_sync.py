@@ -70,3 +70,14 @@ def test_non_finite_update_is_refused_and_the_previous_version_keeps_serving(tin
         assert engine.weights_checksum() == (1, tensor_checksum([t for _, t in named])), label
     if backend == "gloo":
         th.join(60)
+
+
+def test_an_engine_outside_the_group_refuses_an_update_with_one_clear_error(tiny_model):
+    """A generator that Ray restarted has a fresh engine that joined no group; a sync reaching it
+    before the driver re-forms the group says so (it raised AttributeError on None before)."""
+    from prorl_async.engines.hf import HFEngine
+
+    engine = HFEngine(tiny_model, dtype="float32")
+    with pytest.raises(WeightSyncError, match="has not joined the weight-sync group .*re-formed"):
+        engine.receive_weights()
+    assert engine.version == 0  # nothing staged: the engine keeps serving its weights
