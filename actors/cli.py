@@ -47,14 +47,15 @@ def _resume(args):
 def _train(args) -> int:
     cfg, resume = _resume(args) if args.resume else (load_config(args.config, args.overrides), None)
     from actors.driver import RunError, run  # Ray is imported only when a run starts
-    from actors.stopping import Stopped
+    from actors.stopping import Stopped, Terminated, sigterm_stops_at_once
 
     try:
-        summary = run(cfg, resume=resume)
+        with sigterm_stops_at_once():  # the loop itself stops after what is in flight, with a checkpoint
+            summary = run(cfg, resume=resume)
     except RunError as e:  # a run that had to stop: one line, the checkpoint (if any) is intact
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except Stopped as e:  # SIGTERM: checkpointed; 128 + the signal's number, as a shell reports it
+    except (Stopped, Terminated) as e:  # SIGTERM: 128 + the signal's number, as a shell reports it
         print(str(e), file=sys.stderr)
         return 128 + signal.SIGTERM
     return 0 if summary else 1

@@ -12,6 +12,8 @@ import contextlib
 import logging
 import os
 import secrets
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,6 +101,16 @@ def init_ray(cfg: Config, log_dir: Path | None = None) -> bool:
     """
     if ray.is_initialized():
         return False
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        return _init_ray(cfg, log_dir)
+    finally:  # Ray's core worker puts a C handler for SIGTERM in place of Python's, one that aborts the
+        # driver (status -6, no finally blocks): a Python handler set before (actors.stopping) gets it back
+        if callable(handler) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, handler)
+
+
+def _init_ray(cfg: Config, log_dir: Path | None) -> bool:
     quiet = log_dir is not None and not console.verbose()
     output = ({"log_to_driver": False, "runtime_env": {
         "worker_process_setup_hook": f"{console.__name__}.{console.actor_output_to_file.__name__}",

@@ -1,6 +1,8 @@
 """How a run stops on a signal: SIGTERM (what ``ray job stop``, Kubernetes and SLURM send before
 they kill) asks the loop to stop after what is in flight, with a checkpoint (:func:`stop_on_sigterm`);
-the run then ends with :class:`Stopped`, which the CLI turns into exit status 143."""
+the run then ends with :class:`Stopped`, which the CLI turns into exit status 143. Outside the loop
+(start-up, the preflight, the step-0 and final evaluations) SIGTERM stops the run at once
+(:func:`sigterm_stops_at_once`, :class:`Terminated`), its actors and Ray shut down, also status 143."""
 
 from __future__ import annotations
 
@@ -18,6 +20,39 @@ class Stopped(Exception):
         super().__init__(f"stopped by {signal_name} at step {step}, with a checkpoint; continue with "
                          f"`prorl-async train --resume {run_dir}`")
         self.signal_name, self.step, self.run_dir = signal_name, step, run_dir
+
+
+class Terminated(BaseException):
+    """SIGTERM outside the training loop: before step 1 (model, Ray and actors starting, the
+    preflight, the step-0 evaluation) nothing is in flight that a checkpoint could keep, and after
+    the last step the end checkpoint is already written, so the run stops at once. A
+    ``BaseException``, as ``KeyboardInterrupt``: no ``except Exception`` on the way swallows it,
+    and every ``finally`` (actors, Ray, the Aim run) runs."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(f"stopped by {signal_name} outside the training loop (before step 1, or after the last "
+                         "step's checkpoint): nothing was lost that a checkpoint would keep; a run stopped before "
+                         "step 1 starts again from the beginning")
+        self.signal_name = signal_name
+
+
+@contextlib.contextmanager
+def sigterm_stops_at_once():
+    """SIGTERM raises :class:`Terminated` in the main thread (the default action would kill the
+    driver without its ``finally`` blocks, leaving the Ray cluster it started). Inside the loop
+    :func:`stop_on_sigterm` takes the signal over and gives it back when the loop ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigterm(signum, _frame):
+        raise Terminated(signal.Signals(signum).name)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager

@@ -476,3 +476,28 @@ def test_deepspeed_learner_state_resumes_exactly(tmp_path, tiny_model, tmp_path_
     for (n, p), (_, q) in zip(straight.named_tensors(), resumed.named_tensors()):
         assert torch.equal(p, q), n
     assert (tmp_path / "policy" / "model.safetensors").is_file()
+
+
+def test_sigterm_before_step_one_stops_at_once_and_shuts_its_ray_down(tmp_path, model_cache):
+    """SIGTERM outside the training loop (here during the step-0 evaluation) stops the run at once
+    with one line and exit status 143, its actors and Ray shut down; without a handler there the
+    signal's default action killed the driver (status -15) and left the Ray cluster it started."""
+    args = BASE + ["train.total_steps=2", "train.eval_samples=16", "data.eval=builtin:arithmetic?n=200&seed=2&split=eval"]
+    p, log = _launch(args, tmp_path / "stopped", tmp_path, model_cache)
+    errors: list = []
+    try:
+        _signal_on(p, log, r"held-out evaluation, step 0", signal.SIGTERM, errors)
+        assert not errors, errors
+        rc = p.wait(timeout=300)
+        deadline = time.time() + 60  # the cluster's processes (same process group) exit with it
+        while (left := subprocess.run(["pgrep", "-g", str(p.pid)], capture_output=True, text=True).stdout.split()) \
+                and time.time() < deadline:
+            time.sleep(1)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    out = log.read_text()
+    assert rc == 128 + signal.SIGTERM, out[-3000:]
+    assert "stopped by SIGTERM outside the training loop (before step 1" in out, out[-3000:]
+    assert "Traceback" not in out and not re.search(r"^step\s+1/", out, re.M), out[-3000:]
+    assert left == [], f"processes of the stopped run still alive: {left}"
