@@ -15,6 +15,7 @@ from prorl_async.machine import actor_runtime_env
 from prorl_async.console import with_role
 from prorl_async.learners import make_learner
 from prorl_async.learners.base import Learner
+from prorl_async.learners.deepspeed import serve_store
 from prorl_async.learners.batch import shard_groups
 from prorl_async.learners.core import sync_device
 from prorl_async.ledger import write_step
@@ -50,11 +51,12 @@ def resolve_batch(batch):
 
 @ray.remote
 class LearnerActor:
-    def __init__(self, cfg, model_path: str, rank: int = 0, world_size: int = 1, master: tuple = ("127.0.0.1", 0)):
+    def __init__(self, cfg, model_path: str, rank: int = 0, world_size: int = 1, master: tuple = ("127.0.0.1", 0),
+                 served_store: bool = False):
         torch.set_num_threads(cfg.train.num_threads)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         device = "cuda" if cfg.train.learner_num_gpus > 0 and torch.cuda.is_available() else "cpu"
-        self.learner = make_learner(cfg, model_path, device, rank, world_size, master)
+        self.learner = make_learner(cfg, model_path, device, rank, world_size, master, served_store)
         self._sync = None
         self._ledger_run_dir = ""  # where the ledger goes (train.record_rollouts); "" = nowhere
         self._observed: list[dict] = []  # held-out scores received since the last step (the ledger keeps them)
@@ -163,10 +165,17 @@ class LearnerGroup:
         t = cfg.train
         n = t.num_learners
         opts = dict(num_cpus=t.learner_num_cpus, num_gpus=t.learner_num_gpus, max_restarts=0)
-        master = (local_ip(), free_port(local_ip()))  # the learners' own world, not the weight-sync group
-        self.members = [LearnerActor.options(**with_role(opts, f"learner-{r}")).remote(cfg, model_path, r, n, master)
+        # The learners' own world (not the weight-sync group) meets at a store this actor serves
+        # for its whole life, on a port bound as it was picked.
+        self._store, port = serve_store(local_ip())
+        master = (local_ip(), port)
+        self.members = [LearnerActor.options(**with_role(opts, f"learner-{r}")).remote(cfg, model_path, r, n, master,
+                                                                                      True)
                         for r in range(n)]
-        ray.get([m.ready.remote() for m in self.members])
+        pending = [m.ready.remote() for m in self.members]
+        while pending:  # the first rank that fails to start fails the group now, not when its peers time out
+            done, pending = ray.wait(pending, num_returns=1)
+            ray.get(done)
         self.n = n
 
     def sync_address(self, epoch: int = 1):

@@ -34,6 +34,7 @@ import contextlib
 import copy
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
@@ -79,11 +80,16 @@ def scoped_env(values: dict[str, str]):
                 os.environ[k] = v
 
 
+STORE_TIMEOUT = timedelta(minutes=10)  # ranks joining the learners' world, and its collectives' store calls
+
+
 def ensure_process_group(rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1",
-                         master_port: int = 0, backend: str = "gloo") -> None:
+                         master_port: int = 0, backend: str = "gloo", served_store: bool = False) -> None:
     """The learners' own torch.distributed world (separate from the weight-sync group). An explicit
     ``master_port`` wins over an inherited ``MASTER_PORT`` (a parent's world, whose port is taken);
-    the variables are set only while the world is built."""
+    the variables are set only while the world is built. ``served_store``: a TCPStore already
+    listens at ``master_addr:master_port`` (:func:`serve_store`) and every rank, rank 0 included, is
+    its client -- no rank has to bind a port that was free a moment ago and may not be any more."""
     if dist.is_initialized():
         return
     _forget_dead_groups()
@@ -92,7 +98,18 @@ def ensure_process_group(rank: int = 0, world_size: int = 1, master_addr: str = 
     import deepspeed
     with scoped_env({"MASTER_ADDR": addr, "MASTER_PORT": port, "RANK": str(rank), "WORLD_SIZE": str(world_size),
                      "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}):
+        if served_store:  # DeepSpeed then adopts the world (and still reads the variables for its shm ops)
+            store = dist.TCPStore(addr, int(port), is_master=False, timeout=STORE_TIMEOUT)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, rank=rank, world_size=world_size)
+
+
+def serve_store(host: str) -> tuple[dist.TCPStore, int]:
+    """A TCPStore server on a port the OS picks as it binds it (no window in which another process
+    can take it), for ranks that join with ``served_store=True``; alive as long as the returned
+    store is referenced."""
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT)
+    return store, store.port
 
 
 def _forget_dead_groups() -> None:
@@ -124,7 +141,7 @@ class DeepSpeedLearner:
     learners' data-parallel world (module docstring)."""
 
     def __init__(self, cfg, model_path: str, device: str = "cpu", rank: int = 0, world_size: int = 1,
-                 master_addr: str = "127.0.0.1", master_port: int = 0):
+                 master_addr: str = "127.0.0.1", master_port: int = 0, served_store: bool = False):
         import deepspeed
 
         self.cfg = cfg
@@ -132,7 +149,7 @@ class DeepSpeedLearner:
         a, t = cfg.algo, cfg.train
         self.reuses_freed_memory = host_memory.configure(t.reuse_freed_memory, self.device)
         ensure_process_group(rank, world_size, master_addr, master_port,
-                             backend="nccl" if self.device.type == "cuda" else "gloo")
+                             backend="nccl" if self.device.type == "cuda" else "gloo", served_store=served_store)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(t.seed)
         model = load_model(model_path, "float32")  # DeepSpeed casts to bf16 itself when asked
