@@ -6,6 +6,8 @@ weight-sync group) behind the same calls the driver makes on a single learner.""
 from __future__ import annotations
 
 import time
+from datetime import timedelta
+from typing import Optional
 
 import ray
 import torch
@@ -15,14 +17,13 @@ from prorl_async.machine import actor_runtime_env
 from prorl_async.console import with_role
 from prorl_async.learners import make_learner
 from prorl_async.learners.base import Learner
-from prorl_async.learners.deepspeed import serve_store
 from prorl_async.learners.batch import shard_groups
 from prorl_async.learners.core import sync_device
 from prorl_async.ledger import write_step
 from prorl_async.outputs import look_at_run_dir
 from prorl_async.metrics import rss_mb
 from prorl_async.weight_ipc import IpcWeightSender, device_key
-from prorl_async.weight_sync import WeightSyncGroup, free_port, tensor_checksum
+from prorl_async.weight_sync import WeightSyncGroup, serve_store, tensor_checksum
 
 
 def local_ip() -> str:
@@ -58,6 +59,7 @@ class LearnerActor:
         device = "cuda" if cfg.train.learner_num_gpus > 0 and torch.cuda.is_available() else "cpu"
         self.learner = make_learner(cfg, model_path, device, rank, world_size, master, served_store)
         self._sync = None
+        self._served: Optional[tuple] = None  # (host, port, store) of the weight-sync store listening since sync_address
         self._ledger_run_dir = ""  # where the ledger goes (train.record_rollouts); "" = nowhere
         self._observed: list[dict] = []  # held-out scores received since the last step (the ledger keeps them)
 
@@ -84,9 +86,16 @@ class LearnerActor:
         return self.rank
 
     def sync_address(self, epoch: int = 1) -> tuple[str, int]:
-        """Where the weight-sync store listens; a fixed ``ray.weight_sync_port`` shifts by the group epoch."""
+        """Where the weight-sync store listens; a fixed ``ray.weight_sync_port`` shifts by the group
+        epoch. Without one, the store listens from now on a port the OS picked as it bound it, and
+        :meth:`init_weight_sync` hands it to the group (no window in which another process can take it)."""
         host = local_ip()
-        return host, (self.cfg.ray.weight_sync_port + epoch - 1) if self.cfg.ray.weight_sync_port else free_port(host)
+        if self.cfg.ray.weight_sync_port:
+            self._served = None
+            return host, self.cfg.ray.weight_sync_port + epoch - 1
+        store, port = serve_store(host, timedelta(seconds=self.cfg.train.sync_timeout_s))
+        self._served = (host, port, store)
+        return host, port
 
     def device_key(self) -> str:
         """The GPU (UUID) or host this learner's weights live on (ipc needs the generators' to match)."""
@@ -96,8 +105,9 @@ class LearnerActor:
         if backend == "ipc":  # same device: handles to a snapshot instead of a collective
             self._sync = IpcWeightSender(world_size - 1, device=str(self.learner.device), wire_dtype=wire_dtype)
             return True
+        served = self._served[2] if self._served and self._served[:2] == (host, port) else None
         self._sync = WeightSyncGroup(host, port, 0, world_size, backend, self.cfg.train.sync_timeout_s,
-                                     device=sync_device(backend, self.learner.device))
+                                     device=sync_device(backend, self.learner.device), store=served)
         return True
 
     def train_step(self, batch, step: int) -> dict:

@@ -73,9 +73,19 @@ def joined(receiver):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now. Whoever binds it later may find it taken (another process picked it in
+    between): where one process can listen at once, :func:`serve_store` has no such window."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def serve_store(host: str, timeout: timedelta = timedelta(minutes=10)) -> tuple[dist.TCPStore, int]:
+    """A TCPStore server on a port the OS picks as it binds it, and that port: for a group whose
+    members all join as clients (or whose rank 0 is handed the store); alive as long as the
+    returned store is referenced."""
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    return store, store.port
 
 
 def _nbytes(shape, dtype: torch.dtype) -> int:
@@ -287,7 +297,7 @@ class WeightSyncGroup:
     def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
                  timeout_s: float = 120.0, group_name: str = "prorl-weight-sync",
                  device: str = "cpu", wire_dtype: Union[None, str, torch.dtype] = None,
-                 verify: str = "sampled"):
+                 verify: str = "sampled", store: Optional[dist.Store] = None):
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"weight sync backend must be gloo or nccl, got {backend!r}")
         if verify not in VERIFY_MODES:
@@ -296,9 +306,9 @@ class WeightSyncGroup:
         self.verify = verify
         self.wire_dtype = _as_dtype(wire_dtype)
         self.timeout = timedelta(seconds=timeout_s)
-        try:
-            store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=self.timeout,
-                                  wait_for_workers=False)
+        try:  # ``store``: the one already listening at host:port (:func:`serve_store`), handed to rank 0
+            store = store or dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=self.timeout,
+                                           wait_for_workers=False)
         except dist.DistNetworkError as e:
             if "EADDRINUSE" in str(e):
                 raise WeightSyncError(f"weight-sync port {port} on {host} is already in use; set "

@@ -8,7 +8,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from prorl_async.weight_sync import WeightSyncError, WeightSyncGroup, free_port, tensor_checksum
+import threading
+
+from prorl_async.weight_sync import WeightSyncError, WeightSyncGroup, free_port, serve_store, tensor_checksum
 from tests._sync_worker import member, named
 
 
@@ -77,6 +79,30 @@ def test_port_in_use_is_a_clear_error():
         s.listen()
         with pytest.raises(WeightSyncError, match="already in use"):
             WeightSyncGroup("127.0.0.1", s.getsockname()[1], 0, 2, "gloo", timeout_s=2)
+
+
+@pytest.mark.distributed
+def test_a_served_store_holds_its_port_until_the_group_forms_on_it():
+    """The learner's weight-sync store listens from the moment its address is handed out (a port
+    found free and bound later could be taken in between): the port is not free for anyone else,
+    and rank 0 forms the group on the store it was handed while a receiver joins by address."""
+    store, port = serve_store("127.0.0.1")
+    with socket.socket() as s, pytest.raises(OSError):
+        s.bind(("127.0.0.1", port))
+    got: list = []
+
+    def receive():
+        g = WeightSyncGroup("127.0.0.1", port, 1, 2, "gloo", timeout_s=30)
+        t = torch.zeros(4)
+        g._bcast(t)
+        got.append(t)
+
+    th = threading.Thread(target=receive)
+    th.start()
+    sender = WeightSyncGroup("127.0.0.1", port, 0, 2, "gloo", timeout_s=30, store=store)
+    sender._bcast(torch.arange(4.0))
+    th.join(timeout=60)
+    assert got and torch.equal(got[0], torch.arange(4.0))
 
 
 @pytest.mark.gpu

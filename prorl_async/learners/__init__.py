@@ -19,7 +19,7 @@ def make_learner(cfg: Config, model_path: str, device: str = "cpu", rank: int = 
                  master: tuple[str, int] = ("127.0.0.1", 0), served_store: bool = False) -> Learner:
     """The learner ``train.learner`` names; ``rank`` / ``world_size`` / ``master``: its place in
     the learners' own data-parallel world (DeepSpeed only; ``served_store``: a store already listens
-    at ``master``, see :func:`~prorl_async.learners.deepspeed.serve_store`)."""
+    at ``master``, see :func:`~prorl_async.weight_sync.serve_store`)."""
     if cfg.train.learner == "deepspeed":
         from prorl_async.learners.deepspeed import DeepSpeedLearner
         return DeepSpeedLearner(cfg, model_path, device=device, rank=rank, world_size=world_size,

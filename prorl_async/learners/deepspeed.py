@@ -88,7 +88,7 @@ def ensure_process_group(rank: int = 0, world_size: int = 1, master_addr: str = 
     """The learners' own torch.distributed world (separate from the weight-sync group). An explicit
     ``master_port`` wins over an inherited ``MASTER_PORT`` (a parent's world, whose port is taken);
     the variables are set only while the world is built. ``served_store``: a TCPStore already
-    listens at ``master_addr:master_port`` (:func:`serve_store`) and every rank, rank 0 included, is
+    listens at ``master_addr:master_port`` (:func:`~prorl_async.weight_sync.serve_store`) and every rank, rank 0 included, is
     its client -- no rank has to bind a port that was free a moment ago and may not be any more."""
     if dist.is_initialized():
         return
@@ -102,14 +102,6 @@ def ensure_process_group(rank: int = 0, world_size: int = 1, master_addr: str = 
             store = dist.TCPStore(addr, int(port), is_master=False, timeout=STORE_TIMEOUT)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, rank=rank, world_size=world_size)
-
-
-def serve_store(host: str) -> tuple[dist.TCPStore, int]:
-    """A TCPStore server on a port the OS picks as it binds it (no window in which another process
-    can take it), for ranks that join with ``served_store=True``; alive as long as the returned
-    store is referenced."""
-    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT)
-    return store, store.port
 
 
 def _forget_dead_groups() -> None:
