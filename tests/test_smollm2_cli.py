@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]  # 
 
 SMALL = ["train.total_steps=2", "train.prompts_per_step=2", "rollout.n=2", "rollout.prompts_per_request=2",
          "rollout.max_new_tokens=16", "algo.dynamic_sampling=false", "train.micro_batch_size=4",
-         "data.eval=builtin:chat-arith?n=4&seed=2&split=eval", "train.eval_samples=1"]
+         "data.eval=builtin:chat-arith?n=4&seed=2&split=eval", "train.eval_samples=1",
+         "train.max_staleness=0"]  # synchronous: every trained token comes from the learner's current weights
 
 
 def test_smollm2_config_trains_two_steps(tmp_path, smollm2_model, model_cache):
@@ -37,6 +38,8 @@ def test_smollm2_config_trains_two_steps(tmp_path, smollm2_model, model_cache):
     assert (tmp_path / "aim" / ".aim").is_dir()  # the config tracks to Aim, and Aim wrote nothing to the console
     history = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
     assert [h["step"] for h in history] == [1, 2]
+    for h in history:  # synchronous fp32: vLLM's sampling logprobs are the learner's (measured ~1e-10)
+        assert h["mismatch/tokens"] > 0 and h["mismatch/kl_k3"] < 1e-3, h
     for h in history:
         assert math.isfinite(h["actor/pg_loss"]) and math.isfinite(h["actor/grad_norm"])
         assert h["async/trained_staleness_max"] <= 1
