@@ -169,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", default="", help="write the results as JSON (keys pass@1, pass@1/<domain>, pass@K ...)")
     e.add_argument("--aim", action="store_true", help="also log to an Aim run (tracking.aim_repo)")
     e.add_argument("--verbose", action="store_true", help="also show what the engines, torch and Ray print "
-                   "(default: only the project's lines; the rest is in <out>-logs/ or a temporary folder)")
+                   "(default: only the project's lines; the rest is in <out>-logs/, or in a temporary folder kept only "
+                   "if the evaluation fails)")
     e.add_argument("--config", help="YAML config: engine, sampling, grader settings")
     e.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. rollout.temperature=0.6")
     e.set_defaults(fn=_eval)

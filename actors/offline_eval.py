@@ -7,14 +7,16 @@ correctness over the samples of a prompt, pass@k whether any of them is correct
 (:func:`prorl_async.metrics.pass_at_k`). Only generators and the grader are started (no
 learner, no buffer, no weight sync); an Aim run only with ``--aim``. The console holds only the
 project's lines, as a training run's (:mod:`prorl_async.console`): the actors' output goes to
-``<out>-logs/`` beside ``--out`` (else a temporary folder), named on the last line; ``--verbose``
-streams it to the console instead.
+``<out>-logs/`` beside ``--out``, named on the last line; without ``--out`` to a temporary folder,
+removed after a good evaluation and named on stderr after a failed one. ``--verbose`` streams it
+to the console instead.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -57,10 +59,18 @@ def run_eval(cfg: Config, data: str, samples: int, out: str = "", aim: bool = Fa
     t0 = time.time()
     log_dir = Path(f"{Path(out).with_suffix('')}-logs").resolve() if out else Path(tempfile.mkdtemp(prefix="prorl-eval-logs-"))
     restore = quiet_driver(log_dir)  # other packages' warnings and log records to log_dir/driver.log
+    ok = False
     try:
-        return _run_eval(cfg, data, samples, out, aim, log_dir, t0)
+        result = _run_eval(cfg, data, samples, out, aim, log_dir, t0)
+        ok = True
+        return result
     finally:
         restore()
+        if not out:  # a temporary folder: gone after a good evaluation, kept after a failed one
+            if ok or verbose():  # (--verbose streamed it)
+                shutil.rmtree(log_dir, ignore_errors=True)
+            else:
+                print(f"actors' output: {log_dir}", file=sys.stderr, flush=True)
 
 
 def _run_eval(cfg: Config, data: str, samples: int, out: str, aim: bool, log_dir: Path, t0: float) -> dict:
@@ -99,6 +109,6 @@ def _run_eval(cfg: Config, data: str, samples: int, out: str, aim: bool, log_dir
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {out}", flush=True)
-    if not verbose():
+    if out and not verbose():
         print(f"actors' output: {log_dir}", flush=True)
     return result

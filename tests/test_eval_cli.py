@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
+import tempfile
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -37,12 +41,19 @@ def test_eval_a_builtin_model_on_a_verl_parquet(tmp_path, model_cache):
 
 
 def test_eval_humaneval_with_the_tiny_model_completes(tmp_path, model_cache):
+    """Without --out: the table on the console, and the actors' temporary log folder removed."""
+    tmp = Path(tempfile.mkdtemp(prefix="pe-", dir="/tmp"))  # short: Ray puts its sockets under TMPDIR too
     res = cli("eval", "--model", "builtin:tiny-arith", "--data", "builtin:humaneval?n=6", "--samples", "2",
-              "--max-new-tokens", "8", "--out", str(tmp_path / "he.json"), "model.warmup_steps=200",
-              f"model.cache_dir={model_cache}", "ray.num_cpus=2", cwd=tmp_path)
+              "--max-new-tokens", "8", "model.warmup_steps=200", f"model.cache_dir={model_cache}", "ray.num_cpus=2",
+              cwd=tmp_path, env={"TMPDIR": str(tmp)})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    r = json.loads((tmp_path / "he.json").read_text())
-    assert r["prompts"] == 6 and r["pass@1/code"] == r["pass@1"] and 0 <= r["pass@2/code"] <= 1
+    rows = {m[1]: (float(m[2]), float(m[3])) for m in re.finditer(r"^(\w+)\s+([\d.]+)\s+([\d.]+)$", res.stdout, re.M)}
+    assert set(rows) == {"all", "code"} and rows["all"] == rows["code"], res.stdout[-2000:]
+    assert 0 <= rows["code"][0] <= rows["code"][1] <= 1
+    assert "actors' output" not in res.stdout + res.stderr
+    left = [p.name for p in tmp.iterdir() if p.name.startswith("prorl-eval-logs-")]
+    shutil.rmtree(tmp, ignore_errors=True)
+    assert left == []
 
 
 def test_eval_model_may_be_a_run_directory_or_a_checkpoint(tmp_path):
