@@ -37,42 +37,40 @@ class Terminated(BaseException):
 
 
 @contextlib.contextmanager
-def sigterm_stops_at_once():
-    """SIGTERM raises :class:`Terminated` in the main thread (the default action would kill the
-    driver without its ``finally`` blocks, leaving the Ray cluster it started). Inside the loop
-    :func:`stop_on_sigterm` takes the signal over and gives it back when the loop ends."""
+def _on_sigterm(handler):
+    """``handler`` for SIGTERM inside the block, the previous one back after it; nothing outside the
+    main thread, where Python cannot install signal handlers."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def on_sigterm(signum, _frame):
-        raise Terminated(signal.Signals(signum).name)
-
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    previous = signal.signal(signal.SIGTERM, handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
-@contextlib.contextmanager
+def sigterm_stops_at_once():
+    """SIGTERM raises :class:`Terminated` in the main thread (the default action would kill the
+    driver without its ``finally`` blocks, leaving the Ray cluster it started). Inside the loop
+    :func:`stop_on_sigterm` takes the signal over and gives it back when the loop ends."""
+
+    def on_sigterm(signum, _frame):
+        raise Terminated(signal.Signals(signum).name)
+
+    return _on_sigterm(on_sigterm)
+
+
 def stop_on_sigterm(s: LoopState):
     """SIGTERM (what ``ray job stop``, Kubernetes and SLURM send before they kill) stops the run
     cleanly: the loop starts nothing new, what is in flight lands, a checkpoint is written and
     :class:`Stopped` ends the run (exit status 143); ``--resume`` continues it exactly. A second
     SIGTERM stops at once, as SIGINT does: the newest checkpoint stays. The handler only sets a
     flag, which the loop reads at least once a second."""
-    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
-        yield
-        return
 
     def on_sigterm(signum, _frame):
         if s.signalled:
             raise KeyboardInterrupt
         s.signalled = signal.Signals(signum).name
 
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    return _on_sigterm(on_sigterm)
