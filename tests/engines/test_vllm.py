@@ -130,6 +130,17 @@ def _sync_in_thread(port, updates):
     return th
 
 
+def test_a_sync_before_the_worker_joined_a_group_is_one_clear_error(engines):
+    """A vLLM worker of a generator that Ray restarted has joined no group yet: a sync reaching it
+    is one WeightSyncError that says so (weight_sync.joined), and the engine keeps serving.
+    Before the sync tests below: this module's engine has not joined a group yet (file order is kept)."""
+    v, h = engines
+    with pytest.raises(WeightSyncError, match="has not joined the weight-sync group"):
+        v.receive_weights()
+    spec = SamplingSpec(n=1, greedy=True, max_new_tokens=4)
+    assert v.generate(_ids(h.tokenizer)[:1], spec)[0][0].token_ids
+
+
 def test_weight_sync_into_vllm_worker_over_gloo(engines, tiny_model):
     from prorl_async.models import load_model
 
