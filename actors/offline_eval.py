@@ -8,8 +8,8 @@ correctness over the samples of a prompt, pass@k whether any of them is correct
 learner, no buffer, no weight sync); an Aim run only with ``--aim``. The console holds only the
 project's lines, as a training run's (:mod:`prorl_async.console`): the actors' output goes to
 ``<out>-logs/`` beside ``--out``, named on the last line; without ``--out`` to a temporary folder,
-removed after a good evaluation and named on stderr after a failed one. ``--verbose`` streams it
-to the console instead.
+removed after a good evaluation and named on stderr after a failed one that started actors.
+``--verbose`` streams it to the console instead.
 """
 
 from __future__ import annotations
@@ -66,9 +66,9 @@ def run_eval(cfg: Config, data: str, samples: int, out: str = "", aim: bool = Fa
         return result
     finally:
         restore()
-        if not out:  # a temporary folder: gone after a good evaluation, kept after a failed one
-            if ok or verbose():  # (--verbose streamed it)
-                shutil.rmtree(log_dir, ignore_errors=True)
+        if not out:  # a temporary folder: kept (and named) only after a failure with actors' output in it
+            if ok or verbose() or not any(p.name != "driver.log" for p in log_dir.iterdir()):
+                shutil.rmtree(log_dir, ignore_errors=True)  # a bad argument fails before any actor starts
             else:
                 print(f"actors' output: {log_dir}", file=sys.stderr, flush=True)
 

@@ -71,6 +71,10 @@ def test_eval_model_may_be_a_run_directory_or_a_checkpoint(tmp_path):
 
 
 def test_eval_bad_arguments_are_one_error_line(tmp_path):
-    res = cli("eval", "--model", str(tmp_path / "nope"), "--data", "builtin:humaneval", cwd=tmp_path)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    res = cli("eval", "--model", str(tmp_path / "nope"), "--data", "builtin:humaneval", cwd=tmp_path,
+              env={"TMPDIR": str(tmp)})
     assert res.returncode == 2 and res.stderr.startswith("error: ") and "Traceback" not in res.stderr
-    assert "nope" in res.stderr
+    assert "nope" in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert [p for p in tmp.iterdir() if p.name.startswith("prorl-eval-logs-")] == []  # no actor started: no logs kept
