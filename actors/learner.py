@@ -52,12 +52,16 @@ def resolve_batch(batch):
 
 @ray.remote
 class LearnerActor:
-    def __init__(self, cfg, model_path: str, rank: int = 0, world_size: int = 1, master: tuple = ("127.0.0.1", 0),
-                 served_store: bool = False):
+    def __init__(self, cfg, model_path: str, rank: int = 0, world_size: int = 1, in_group: bool = False):
+        """``in_group``: a rank of a :class:`LearnerGroup`, whose learner is built by :meth:`join_world`
+        once rank 0 serves the world's store (:meth:`serve_world`); otherwise built here."""
         torch.set_num_threads(cfg.train.num_threads)
-        self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        device = "cuda" if cfg.train.learner_num_gpus > 0 and torch.cuda.is_available() else "cpu"
-        self.learner = make_learner(cfg, model_path, device, rank, world_size, master, served_store)
+        self.cfg, self.model_path, self.rank, self.world_size = cfg, model_path, rank, world_size
+        self.device = "cuda" if cfg.train.learner_num_gpus > 0 and torch.cuda.is_available() else "cpu"
+        self.learner: Learner
+        if not in_group:
+            self.learner = make_learner(cfg, model_path, self.device)
+        self._world_store = None  # rank 0 of a group: the learners' store, served for the actor's life
         self._sync = None
         self._served: Optional[tuple] = None  # (host, port, store) of the weight-sync store listening since sync_address
         self._ledger_run_dir = ""  # where the ledger goes (train.record_rollouts); "" = nowhere
@@ -83,6 +87,18 @@ class LearnerActor:
         return {**metrics, "perf/ledger_s": time.perf_counter() - t0}
 
     def ready(self) -> int:
+        return self.rank
+
+    def serve_world(self) -> tuple[str, int]:
+        """Rank 0 of a group: the learners' own world (not the weight-sync group) meets at a store on
+        this node, on a port the OS bound as it picked it (:func:`~prorl_async.weight_sync.serve_store`)."""
+        self._world_store, port = serve_store(local_ip())
+        return local_ip(), port
+
+    def join_world(self, master: tuple[str, int]) -> int:
+        """Build this rank's learner in the world whose store rank 0 serves at ``master``."""
+        self.learner = make_learner(self.cfg, self.model_path, self.device, self.rank, self.world_size, master,
+                                    served_store=True)
         return self.rank
 
     def sync_address(self, epoch: int = 1) -> tuple[str, int]:
@@ -175,14 +191,10 @@ class LearnerGroup:
         t = cfg.train
         n = t.num_learners
         opts = dict(num_cpus=t.learner_num_cpus, num_gpus=t.learner_num_gpus, max_restarts=0)
-        # The learners' own world (not the weight-sync group) meets at a store this actor serves
-        # for its whole life, on a port bound as it was picked.
-        self._store, port = serve_store(local_ip())
-        master = (local_ip(), port)
-        self.members = [LearnerActor.options(**with_role(opts, f"learner-{r}")).remote(cfg, model_path, r, n, master,
-                                                                                      True)
+        self.members = [LearnerActor.options(**with_role(opts, f"learner-{r}")).remote(cfg, model_path, r, n, True)
                         for r in range(n)]
-        pending = [m.ready.remote() for m in self.members]
+        master = ray.get(self.members[0].serve_world.remote())  # on rank 0's node
+        pending = [m.join_world.remote(master) for m in self.members]
         while pending:  # the first rank that fails to start fails the group now, not when its peers time out
             done, pending = ray.wait(pending, num_returns=1)
             ray.get(done)
