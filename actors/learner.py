@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Optional
 
 import ray
 import torch
@@ -63,7 +62,7 @@ class LearnerActor:
             self.learner = make_learner(cfg, model_path, self.device)
         self._world_store = None  # rank 0 of a group: the learners' store, served for the actor's life
         self._sync = None
-        self._served: Optional[tuple] = None  # (host, port, store) of the weight-sync store listening since sync_address
+        self._sync_store = None  # the weight-sync store listening since sync_address, until init_weight_sync
         self._ledger_run_dir = ""  # where the ledger goes (train.record_rollouts); "" = nowhere
         self._observed: list[dict] = []  # held-out scores received since the last step (the ledger keeps them)
 
@@ -107,10 +106,9 @@ class LearnerActor:
         :meth:`init_weight_sync` hands it to the group (no window in which another process can take it)."""
         host = local_ip()
         if self.cfg.ray.weight_sync_port:
-            self._served = None
+            self._sync_store = None
             return host, self.cfg.ray.weight_sync_port + epoch - 1
-        store, port = serve_store(host, timedelta(seconds=self.cfg.train.sync_timeout_s))
-        self._served = (host, port, store)
+        self._sync_store, port = serve_store(host, timedelta(seconds=self.cfg.train.sync_timeout_s))
         return host, port
 
     def device_key(self) -> str:
@@ -121,7 +119,7 @@ class LearnerActor:
         if backend == "ipc":  # same device: handles to a snapshot instead of a collective
             self._sync = IpcWeightSender(world_size - 1, device=str(self.learner.device), wire_dtype=wire_dtype)
             return True
-        served = self._served[2] if self._served and self._served[:2] == (host, port) else None
+        served, self._sync_store = self._sync_store, None  # the group holds it from here on
         self._sync = WeightSyncGroup(host, port, 0, world_size, backend, self.cfg.train.sync_timeout_s,
                                      device=sync_device(backend, self.learner.device), store=served)
         return True
@@ -191,8 +189,8 @@ class LearnerGroup:
         t = cfg.train
         n = t.num_learners
         opts = dict(num_cpus=t.learner_num_cpus, num_gpus=t.learner_num_gpus, max_restarts=0)
-        self.members = [LearnerActor.options(**with_role(opts, f"learner-{r}")).remote(cfg, model_path, r, n, True)
-                        for r in range(n)]
+        self.members = [LearnerActor.options(**with_role(opts, f"learner-{r}"))
+                        .remote(cfg, model_path, r, n, in_group=True) for r in range(n)]
         master = ray.get(self.members[0].serve_world.remote())  # on rank 0's node
         pending = [m.join_world.remote(master) for m in self.members]
         while pending:  # the first rank that fails to start fails the group now, not when its peers time out

@@ -80,7 +80,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def serve_store(host: str, timeout: timedelta = timedelta(minutes=10)) -> tuple[dist.TCPStore, int]:
+STORE_TIMEOUT = timedelta(minutes=10)  # a served store's calls: members joining, and their collectives' store use
+
+
+def serve_store(host: str, timeout: timedelta = STORE_TIMEOUT) -> tuple[dist.TCPStore, int]:
     """A TCPStore server on a port the OS picks as it binds it, and that port: for a group whose
     members all join as clients (or whose rank 0 is handed the store); alive as long as the
     returned store is referenced."""

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import socket
+import threading
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-
-import threading
 
 from prorl_async.weight_sync import WeightSyncError, WeightSyncGroup, free_port, serve_store, tensor_checksum
 from tests._sync_worker import member, named

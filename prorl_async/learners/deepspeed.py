@@ -34,7 +34,6 @@ import contextlib
 import copy
 import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
@@ -47,7 +46,7 @@ from prorl_async.learners.core import LearnerCore, algo_state
 from prorl_async.learners.files import write_deepspeed_learner
 from prorl_async.machine import cpu_has_bf16
 from prorl_async.models import load_model
-from prorl_async.weight_sync import free_port
+from prorl_async.weight_sync import STORE_TIMEOUT, free_port
 
 
 def _base_optimizer(opt) -> torch.optim.Optimizer:
@@ -80,16 +79,13 @@ def scoped_env(values: dict[str, str]):
                 os.environ[k] = v
 
 
-STORE_TIMEOUT = timedelta(minutes=10)  # ranks joining the learners' world, and its collectives' store calls
-
-
 def ensure_process_group(rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1",
                          master_port: int = 0, backend: str = "gloo", served_store: bool = False) -> None:
     """The learners' own torch.distributed world (separate from the weight-sync group). An explicit
     ``master_port`` wins over an inherited ``MASTER_PORT`` (a parent's world, whose port is taken);
     the variables are set only while the world is built. ``served_store``: a TCPStore already
-    listens at ``master_addr:master_port`` (:func:`~prorl_async.weight_sync.serve_store`) and every rank, rank 0 included, is
-    its client -- no rank has to bind a port that was free a moment ago and may not be any more."""
+    listens at ``master_addr:master_port`` (:func:`~prorl_async.weight_sync.serve_store`) and every
+    rank, rank 0 included, is its client -- no rank binds a port that was free a moment ago."""
     if dist.is_initialized():
         return
     _forget_dead_groups()
