@@ -97,6 +97,10 @@ def validate(cfg: Config) -> None:
                  f"must be a mapping {{source: ..., weight: ...}}, got {entry!r}")
         _require(isinstance(entry["weight"], (int, float)) and entry["weight"] > 0, f"data.mix[{i}].weight",
                  f"must be a positive number, got {entry['weight']!r}")
+    _require(bool(cfg.data.train.strip()) or bool(cfg.data.mix), "data.train",
+             "is empty and data.mix is not set: give the training prompts (a JSONL/Parquet path, builtin:..., reasoning-gym:...)")
+    _require(bool(cfg.data.eval.strip()), "data.eval",
+             "is empty: give held-out prompts (a JSONL/Parquet path, builtin:..., reasoning-gym:...)")
     _require(bool(cfg.data.input_key) == bool(cfg.data.label_key), "data.input_key",
              f"data.input_key ({cfg.data.input_key!r}) and data.label_key ({cfg.data.label_key!r}) go together; set both or neither")
     _require(cfg.data.domain == "" or cfg.data.domain.isidentifier(), "data.domain",

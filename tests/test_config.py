@@ -27,6 +27,8 @@ def test_defaults_and_overrides(tmp_path):
     ("algo.is_mode=foo", "algo.is_mode: must be tis, icepop or none"),
     ("rollout.vllm_engine_core=thread", "rollout.vllm_engine_core: must be auto, inline or process"),
     ("rollout", "not of the form section.field=value"),
+    ("data.eval=", "data.eval: is empty: give held-out prompts"),
+    ("data.train=", "data.train: is empty and data.mix is not set"),
 ])
 def test_config_errors_name_the_field(override, needle, capsys):
     with pytest.raises(ConfigError) as e:
