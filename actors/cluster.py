@@ -1,7 +1,8 @@
 """Cluster start-up and actor wiring: join or start Ray, place and start the actors, form the
 weight-sync group (:mod:`prorl_async.weight_sync`), and turn Ray failures into one clear error.
 
-Placement follows the config's resources (``rollout.generator_num_gpus`` ... ; docs/cluster.md).
+Placement follows the config's resources (``rollout.generator_num_gpus``, ``*_resources`` ...;
+docs/cluster.md); the ranks of a learner group are packed by a placement group.
 A generator is restarted by Ray up to ``rollout.max_generator_failures`` times; the driver then
 re-forms the weight-sync group and gives it the current weights before it serves again.
 """
@@ -29,6 +30,7 @@ from actors.failures import Failure
 from actors.generator import GeneratorActor
 from actors.grader import GraderActor
 from actors.learner import start_learner
+from actors.placement import placement_line
 from actors.replay_buffer import ReplayBufferActor
 
 
@@ -158,6 +160,34 @@ def start_local_ray(**init_kwargs) -> None:
 PLACEMENT_TIMEOUT_S = 300.0
 
 
+def reserve(bundles: list[dict], strategy: str, name: str, what: str, timeout_s: float):
+    """A placement group of ``bundles``, placed within ``timeout_s``, or one :class:`RunError`
+    that starts with ``what`` and ends with the cluster's resources (nothing left reserved)."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    pg = placement_group(bundles, strategy=strategy, name=name)
+    if not pg.wait(timeout_seconds=timeout_s):
+        remove_placement_group(pg)
+        raise RunError(f"{what} within {timeout_s:.0f}s; cluster resources: {ray.cluster_resources()}")
+    return pg
+
+
+def learner_placement(cfg: Config, timeout_s: float = PLACEMENT_TIMEOUT_S):
+    """The placement group of a learner group's ranks (None for one learner): one bundle per rank,
+    each with the rank's CPUs, GPUs and ``train.learner_resources``. PACK, not STRICT_PACK: the
+    ranks share a node whenever one node can hold them all (a data-parallel all-reduce inside one
+    node), and a group larger than any node still starts, on as few nodes as Ray can find."""
+    t = cfg.train
+    bundle = {k: v for k, v in {"CPU": t.learner_num_cpus, "GPU": t.learner_num_gpus}.items() if v}
+    bundle.update(t.learner_resources)
+    if t.num_learners == 1 or not bundle:  # one learner, or nothing reserved to pack by
+        return None
+    return reserve([bundle] * t.num_learners, "PACK", "prorl-learners",
+                   f"the cluster cannot hold the {t.num_learners} learner ranks' bundles {bundle} (train.num_learners="
+                   f"{t.num_learners}, train.learner_num_cpus={t.learner_num_cpus}, train.learner_num_gpus="
+                   f"{t.learner_num_gpus}, train.learner_resources={t.learner_resources})", timeout_s)
+
+
 def generator_placement(cfg: Config, index: int, timeout_s: float = PLACEMENT_TIMEOUT_S) -> tuple[dict, object]:
     """Ray options for generator ``index``, and its placement group (None below 2 GPUs).
 
@@ -168,23 +198,29 @@ def generator_placement(cfg: Config, index: int, timeout_s: float = PLACEMENT_TI
     here with the numbers instead of leaving the actor pending.
     """
     r = cfg.rollout
-    opts = console.with_role({"num_cpus": r.generator_num_cpus, "num_gpus": r.generator_num_gpus,
+    pinned = {"resources": r.generator_resources} if r.generator_resources else {}
+    opts = console.with_role({"num_cpus": r.generator_num_cpus, "num_gpus": r.generator_num_gpus, **pinned,
                               **actor_runtime_env(cfg)}, f"generator-{index}")
     if r.generator_num_gpus <= 1:
         return opts, None
-    from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    bundle = {"GPU": r.generator_num_gpus, **({"CPU": r.generator_num_cpus} if r.generator_num_cpus else {})}
-    pg = placement_group([bundle], strategy="STRICT_PACK", name=f"prorl-generator-{index}")
-    if not pg.wait(timeout_seconds=timeout_s):
-        remove_placement_group(pg)
-        raise RunError(f"no node can hold generator {index}'s bundle {bundle} (rollout.generator_num_gpus="
-                       f"{r.generator_num_gpus}, rollout.generator_num_cpus={r.generator_num_cpus}) within "
-                       f"{timeout_s:.0f}s; cluster resources: {ray.cluster_resources()}")
+    bundle = {"GPU": r.generator_num_gpus, **({"CPU": r.generator_num_cpus} if r.generator_num_cpus else {}),
+              **r.generator_resources}
+    pg = reserve([bundle], "STRICT_PACK", f"prorl-generator-{index}",
+                 f"no node can hold generator {index}'s bundle {bundle} (rollout.generator_num_gpus="
+                 f"{r.generator_num_gpus}, rollout.generator_num_cpus={r.generator_num_cpus}, "
+                 f"rollout.generator_resources={r.generator_resources})", timeout_s)
     opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
         pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)
     return opts, pg
+
+
+def grader_options(cfg: Config) -> dict:
+    """Ray options of the grader: no CPU of its own (its worker processes do the work), on a node
+    with ``reward.grader_resources`` when set."""
+    pinned = {"resources": cfg.reward.grader_resources} if cfg.reward.grader_resources else {}
+    return console.with_role({"num_cpus": 0, **pinned}, "grader")
 
 
 @dataclass
@@ -196,13 +232,15 @@ class Actors:
     placement_groups: list = field(default_factory=list)
     sync_epoch: int = 0
     sync_backend: str = ""  # the resolved ray.weight_sync_backend: gloo, nccl or ipc
+    sync_store: str = ""  # host:port of the weight-sync group's store (on the learner's node)
 
     @classmethod
     def start(cls, cfg: Config, model_path: str, name: str = "", longest_prompt: int = 0) -> "Actors":
         """``longest_prompt``: the run's longest prompt in tokens (0 = unknown), which sets vLLM's
         context on GPU (``rollout.max_model_len=0``)."""
         r, t = cfg.rollout, cfg.train
-        learner = start_learner(cfg, model_path, f"{name}/learner" if name else "")  # or a data-parallel LearnerGroup
+        learner_pg = learner_placement(cfg)  # a data-parallel LearnerGroup's ranks, packed
+        learner = start_learner(cfg, model_path, f"{name}/learner" if name else "", learner_pg)
         placed = [generator_placement(cfg, i) for i in range(r.num_generators)]
         # Ray restarts a dead generator (up to max_generator_failures times); the driver then
         # re-forms the weight-sync group and gives it the current weights before it serves.
@@ -211,16 +249,26 @@ class Actors:
                 .remote(cfg, model_path, i, longest_prompt) for i, (opts, _) in enumerate(placed)]
         # the grader is stateless: restarted by Ray, the driver re-issues the requests it dropped.
         # The buffer holds the unconsumed groups: never restarted empty; its death stops the run
-        grader = GraderActor.options(**console.with_role({"num_cpus": 0}, "grader"),
+        grader = GraderActor.options(**grader_options(cfg),
                                      max_restarts=GRADER_MAX_RESTARTS, max_task_retries=0,
                                      **({"name": f"{name}/grader"} if name else {})).remote(cfg)
         buffer = ReplayBufferActor.options(**console.with_role({"num_cpus": 0}, "buffer"), max_restarts=0,
                                            **({"name": f"{name}/buffer"} if name else {})
                                            ).remote(t.max_staleness, cfg.algo.dynamic_sampling)
-        actors = cls(gens, grader, buffer, learner, [pg for _, pg in placed if pg is not None])
+        actors = cls(gens, grader, buffer, learner, [pg for _, pg in placed if pg is not None]
+                     + ([learner_pg] if learner_pg is not None else []))
         get([g.ready.remote() for g in gens] + [grader.ready.remote()], 600, "starting the actors")
         actors.form_weight_sync(cfg)
+        print(actors.placement(), flush=True)
         return actors
+
+    def placement(self) -> str:
+        """One line naming each actor's node, its gloo addresses and placement group, and the
+        weight-sync store (:mod:`actors.placement`)."""
+        places = get([g.where.remote() for g in self.generators] + [self.grader.where.remote(),
+                     self.buffer.where.remote()], 600, "placement")
+        store = self.sync_store if self.sync_backend != "ipc" else ""  # ipc forms no group
+        return placement_line(places + get(self.learner.where.remote(), 600, "placement"), store, self.sync_backend)
 
     def resolve_sync_backend(self, cfg: Config) -> str:
         """``ray.weight_sync_backend``, with ``auto`` resolved from where the actors landed:
@@ -253,6 +301,7 @@ class Actors:
         backend = self.sync_backend = self.resolve_sync_backend(cfg)
         self.sync_epoch += 1
         host, port = get(self.learner.sync_address.remote(self.sync_epoch), 600, "weight sync")
+        self.sync_store = f"{host}:{port}"
         ranks = get([g.weight_sync_ranks.remote() for g in self.generators], 600, "weight sync")
         world = 1 + sum(ranks)
         if backend == "ipc":

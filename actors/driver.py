@@ -137,7 +137,7 @@ class TrainingLoop:
     def on_buffered(self, r: Request, ref) -> None:
         info: PutResult = ray.get(ref)
         s, w, k = self.s, self.s.window, len(r.rows)
-        s.grader_down = False
+        s.grader_down, s.gen_down = False, s.gen_down - {f"generator-{r.generator}"}  # its deaths counted anew
         s.live -= k - info.kept  # requested prompts that are not a kept group now (dropped, or merged:
         s.buffered += info.kept   # a request across an epoch boundary can hold a prompt twice, one group)
         for key, v in info.stats.items():
@@ -344,7 +344,7 @@ class TrainingLoop:
     def on_failure(self, kind: str, payload, err: Exception) -> None:
         """A call failed: the failure policy decides from what happened and the counters, the loop acts."""
         s = self.s
-        facts = RunFacts(s.version, s.checkpointed, s.gen_failures, s.grader_failures, s.grader_down, s.stopping)
+        facts = RunFacts(s.version, s.checkpointed, s.gen_failures, s.grader_failures, s.grader_down, s.stopping, s.gen_down)
         self.apply(self.failures.on_failure(kind, payload, self.actors.failure(err), facts))
 
     def apply(self, actions) -> None:
@@ -357,7 +357,8 @@ class TrainingLoop:
                 s.reissued.extend(str(r["id"]) for r in a.request.rows)
                 log.warning("%s", a.warning)
             elif isinstance(a, Count):
-                s.gen_failures, s.grader_failures, s.grader_down = a.gen_failures, a.grader_failures, a.grader_down
+                s.gen_failures, s.grader_failures = a.gen_failures, a.grader_failures
+                s.grader_down, s.gen_down = a.grader_down, a.gen_down
             elif isinstance(a, Resync):
                 if a.warning:
                     log.warning("%s", a.warning)

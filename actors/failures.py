@@ -44,6 +44,9 @@ class RunFacts:
     grader_failures: int = 0
     grader_down: bool = False  # a grader death is counted already (cleared by the next graded request)
     stopping: bool = False     # the stop checkpoint is being written: deaths are counted, the run not stopped again
+    gen_down: frozenset = frozenset()  # generators whose death is counted already (each cleared by its next
+    #                                    graded request): one death fails the request in flight and the calls
+    #                                    made while Ray restarts the actor ("The actor is restarting")
 
 
 # ------------------------------------------------------------------------ actions
@@ -60,6 +63,7 @@ class Count:
     gen_failures: int
     grader_failures: int
     grader_down: bool
+    gen_down: frozenset = frozenset()
 
 
 @dataclass(frozen=True)
@@ -133,10 +137,12 @@ class FailurePolicy:
             if facts.grader_down:  # the other requests that one death failed
                 return ()
             n, what = facts.grader_failures + 1, "the grader"
-            counted = Count(facts.gen_failures, n, grader_down=True)
+            counted = Count(facts.gen_failures, n, True, facts.gen_down)
         else:
+            if role in facts.gen_down:  # the other calls that one death failed
+                return ()
             n, what = facts.gen_failures + 1, "generators"
-            counted = Count(n, facts.grader_failures, facts.grader_down)
+            counted = Count(n, facts.grader_failures, facts.grader_down, facts.gen_down | {role})
         if n > limit and not facts.stopping:
             return (counted, Stop(f"{what} died {n} times (rollout.max_generator_failures={limit}); last: {error.cause}"))
         return (counted,)

@@ -22,6 +22,8 @@ from prorl_async.data.schema import with_columns
 from prorl_async.metrics import rss_mb
 from prorl_async.rewards.pool import GraderPool
 
+from actors.placement import ActorPlace, here
+
 
 @ray.remote(concurrency_groups={"health": 1})
 class GraderActor:
@@ -33,6 +35,9 @@ class GraderActor:
 
     def ready(self) -> bool:
         return True
+
+    def where(self) -> ActorPlace:
+        return here("grader")
 
     def grade(self, rows: list[dict], batch):
         by_id = {str(r["id"]): r for r in rows}

@@ -11,6 +11,7 @@ from datetime import timedelta
 import ray
 import torch
 
+from actors.placement import ActorPlace, here
 from actors.replay_buffer import BatchRefs
 from prorl_async.machine import actor_runtime_env
 from prorl_async.console import with_role
@@ -22,7 +23,7 @@ from prorl_async.ledger import write_step
 from prorl_async.outputs import look_at_run_dir
 from prorl_async.metrics import rss_mb
 from prorl_async.weight_ipc import IpcWeightSender, device_key
-from prorl_async.weight_sync import WeightSyncGroup, serve_store, tensor_checksum
+from prorl_async.weight_sync import WeightSyncGroup, bind_gloo, serve_store, tensor_checksum
 
 
 def local_ip() -> str:
@@ -55,7 +56,10 @@ class LearnerActor:
         """``in_group``: a rank of a :class:`LearnerGroup`, whose learner is built by :meth:`join_world`
         once rank 0 serves the world's store (:meth:`serve_world`); otherwise built here."""
         torch.set_num_threads(cfg.train.num_threads)
+        bind_gloo(local_ip())  # the learners' world and the weight-sync group listen on this node's IP
         self.cfg, self.model_path, self.rank, self.world_size = cfg, model_path, rank, world_size
+        self.role = f"learner-{rank}" if in_group else "learner"
+        self._world = ""  # host:port of the learners' world this rank joined
         self.device = "cuda" if cfg.train.learner_num_gpus > 0 and torch.cuda.is_available() else "cpu"
         self.learner: Learner
         if not in_group:
@@ -88,6 +92,9 @@ class LearnerActor:
     def ready(self) -> int:
         return self.rank
 
+    def where(self) -> list[ActorPlace]:
+        return [here(self.role, self._world)]
+
     def serve_world(self) -> tuple[str, int]:
         """Rank 0 of a group: the learners' own world (not the weight-sync group) meets at a store on
         this node, on a port the OS bound as it picked it (:func:`~prorl_async.weight_sync.serve_store`)."""
@@ -98,6 +105,7 @@ class LearnerActor:
         """Build this rank's learner in the world whose store rank 0 serves at ``master``."""
         self.learner = make_learner(self.cfg, self.model_path, self.device, self.rank, self.world_size, master,
                                     served_store=True)
+        self._world = f"{master[0]}:{master[1]}"
         return self.rank
 
     def sync_address(self, epoch: int = 1) -> tuple[str, int]:
@@ -183,13 +191,20 @@ _SAME_ON_EVERY_RANK = {"actor/grad_norm", "actor/lr", "actor/updates", "actor/sk
 
 @ray.remote
 class LearnerGroup:
-    """``n`` data-parallel learner actors; each trains on whole groups (prompt ids) of the batch."""
+    """``n`` data-parallel learner actors; each trains on whole groups (prompt ids) of the batch.
+    ``placement_group``: rank r takes its bundle r (:func:`actors.cluster.learner_placement`, which
+    the caller owns and removes); None: each rank goes where Ray puts it."""
 
-    def __init__(self, cfg, model_path: str):
+    def __init__(self, cfg, model_path: str, placement_group=None):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         t = cfg.train
         n = t.num_learners
-        opts = dict(num_cpus=t.learner_num_cpus, num_gpus=t.learner_num_gpus, max_restarts=0)
-        self.members = [LearnerActor.options(**with_role(opts, f"learner-{r}"))
+        opts = dict(num_cpus=t.learner_num_cpus, num_gpus=t.learner_num_gpus, max_restarts=0,
+                    **({"resources": t.learner_resources} if t.learner_resources else {}))
+        bundle = [{"scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=r)}
+                  if placement_group is not None else {} for r in range(n)]
+        self.members = [LearnerActor.options(**with_role(opts, f"learner-{r}"), **bundle[r])
                         .remote(cfg, model_path, r, n, in_group=True) for r in range(n)]
         master = ray.get(self.members[0].serve_world.remote())  # on rank 0's node
         pending = [m.join_world.remote(master) for m in self.members]
@@ -200,6 +215,9 @@ class LearnerGroup:
 
     def sync_address(self, epoch: int = 1):
         return ray.get(self.members[0].sync_address.remote(epoch))
+
+    def where(self) -> list[ActorPlace]:
+        return [p for m in ray.get([m.where.remote() for m in self.members]) for p in m]
 
     def device_key(self) -> str:
         return ray.get(self.members[0].device_key.remote())
@@ -261,8 +279,9 @@ class LearnerGroup:
         return self._all("load_checkpoint", path)
 
 
-def start_learner(cfg, model_path: str, name: str = ""):
-    """One learner actor, or a :class:`LearnerGroup` for ``train.num_learners > 1``.
+def start_learner(cfg, model_path: str, name: str = "", placement_group=None):
+    """One learner actor, or a :class:`LearnerGroup` for ``train.num_learners > 1`` (its ranks in
+    ``placement_group``'s bundles when given, see :class:`LearnerGroup`).
 
     Not restartable (``max_restarts=0``): a dead learner fails the run at once, leaving the
     last checkpoint as it was, rather than coming back without its optimizer state."""
@@ -270,7 +289,8 @@ def start_learner(cfg, model_path: str, name: str = ""):
     named = {"name": name} if name else {}
     env = actor_runtime_env(cfg)  # OMP_WAIT_POLICY; a LearnerGroup's ranks inherit it
     if t.num_learners == 1:
-        return LearnerActor.options(num_cpus=t.learner_num_cpus, num_gpus=t.learner_num_gpus,
-                                    max_restarts=0, **named, **with_role(env, "learner")).remote(cfg, model_path)
+        pinned = {"resources": t.learner_resources} if t.learner_resources else {}
+        return LearnerActor.options(num_cpus=t.learner_num_cpus, num_gpus=t.learner_num_gpus, max_restarts=0,
+                                    **pinned, **named, **with_role(env, "learner")).remote(cfg, model_path)
     return LearnerGroup.options(num_cpus=0, max_restarts=0, **named,
-                                **with_role(env, "learner-group")).remote(cfg, model_path)
+                                **with_role(env, "learner-group")).remote(cfg, model_path, placement_group)

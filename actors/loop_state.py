@@ -74,6 +74,7 @@ class LoopState:
     learner_dead: bool = False
     buffer_dead: bool = False
     grader_down: bool = False    # a grader death was counted; cleared by the next graded request
+    gen_down: frozenset = frozenset()  # generators whose death was counted; cleared by their next graded request
     stop_reason: str = ""        # train.stop_at reached: why the run stops after this evaluation
     signalled: str = ""          # SIGTERM's name once received: nothing new starts, a checkpoint, then exit
     eval_owed: bool = False      # an evaluation failed (a generator died): done again after the re-sync

@@ -26,13 +26,13 @@ import ray
 
 from prorl_async.checkpoint import policy_folder
 from prorl_async.config import Config, config_to_dict
-from prorl_async.console import ActorWarnings, quiet_driver, verbose, with_role
+from prorl_async.console import ActorWarnings, quiet_driver, verbose
 from prorl_async.data.datasets import load_source
 from prorl_async.engines.prompts import drop_unfit
 from prorl_async.models import BUILTIN_PREFIX, context_length, load_tokenizer, resolve_model_path
 from prorl_async.tracking import Tracker
 
-from actors.cluster import Actors, generator_placement, get, init_ray
+from actors.cluster import Actors, generator_placement, get, grader_options, init_ray
 from actors.evaluation import evaluate
 from actors.generator import GeneratorActor
 from actors.grader import GraderActor
@@ -88,7 +88,7 @@ def _run_eval(cfg: Config, data: str, samples: int, out: str, aim: bool, log_dir
     try:
         placed = [generator_placement(cfg, i) for i in range(cfg.rollout.num_generators)]
         gens = [GeneratorActor.options(**opts).remote(cfg, model_path, i) for i, (opts, _) in enumerate(placed)]
-        actors = Actors(gens, GraderActor.options(**with_role({"num_cpus": 0}, "grader")).remote(cfg), None, None,
+        actors = Actors(gens, GraderActor.options(**grader_options(cfg)).remote(cfg), None, None,
                         [pg for _, pg in placed if pg is not None])
         get([g.ready.remote() for g in gens] + [actors.grader.ready.remote()], 600, "starting the actors")
         val = evaluate(cfg, actors, rows, 0, tracker, show=True, samples=samples)

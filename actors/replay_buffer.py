@@ -21,6 +21,8 @@ from prorl_async.buffer import PutResult, ReplayBuffer, Source
 from prorl_async.data.schema import ROLLOUT_SCHEMA
 from prorl_async.metrics import rss_mb
 
+from actors.placement import ActorPlace, here
+
 
 @dataclass
 class BatchRefs:
@@ -94,6 +96,9 @@ class ReplayBufferActor:
                 parts.append(where)
         flush()
         return BatchRefs(parts, row)
+
+    def where(self) -> ActorPlace:
+        return here("buffer")
 
     def metrics(self) -> dict[str, float]:
         return {**self.buffer.metrics(), "sys/rss_mb/buffer": rss_mb()}

@@ -63,6 +63,7 @@ RESUME_MUTABLE = (
     "train.eval_samples", "train.eval_temperature", "train.keep_best", "train.keep_best_mode", "train.stop_at",
     "train.batch_timeout_s", "train.sync_timeout_s", "train.record_rollouts", "reward.num_workers",
     "model.cache_dir", "tracking.", "ray.",
+    "rollout.generator_resources.", "train.learner_resources.", "reward.grader_resources.",  # which node runs what
 )
 
 

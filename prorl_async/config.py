@@ -77,6 +77,7 @@ class RolloutConfig:
     generator_num_cpus: float = _f(1.0, "CPUs Ray reserves per generator")
     num_threads: int = _f(0, "torch intra-op threads of a generator (0 = train.num_threads)")
     generator_num_gpus: float = _f(0.0, "GPUs Ray reserves per generator")
+    generator_resources: dict = _f({}, "custom Ray resources each generator asks for, e.g. {gen_node: 1}: generators run only on nodes started with that resource (ray start --resources='{\"gen_node\": 8}'); {\"node:<ip>\": 0.01} pins them to one node")
     seed: int = _f(0, "base seed of the generators' samplers")
     max_generator_failures: int = _f(3, "generator deaths survived (Ray restarts it, it is re-synced); one more stops the run")
     tensor_parallel_size: int = _f(1, "vLLM tensor-parallel GPUs per generator (each TP rank joins the weight-sync group)")
@@ -157,6 +158,7 @@ class TrainConfig:
     keep_last: int = _f(2, "checkpoints kept")
     learner_num_cpus: float = _f(1.0, "CPUs Ray reserves for the learner")
     learner_num_gpus: float = _f(0.0, "GPUs Ray reserves for the learner")
+    learner_resources: dict = _f({}, "custom Ray resources each learner rank asks for (part of each rank's placement-group bundle), e.g. {learn_node: 1}")
     num_threads: int = _f(1, "torch intra-op threads per actor (a generator's: rollout.num_threads when set)")
     batch_timeout_s: float = _f(600.0, "a learner step waiting longer than this for rollouts fails the run")
     sync_timeout_s: float = _f(120.0, "weight broadcast timeout")
@@ -176,6 +178,7 @@ class RewardConfig:
     code_mode: str = _f("fraction", "code reward: fraction of tests passed, or all")
     instruction_mode: str = _f("fraction", "instruction reward: fraction of constraints satisfied, or all")
     max_invalid_frac: float = _f(0.5, "stop the run when more than this fraction of a batch is invalid")
+    grader_resources: dict = _f({}, "custom Ray resources the grader actor asks for, e.g. {\"node:__internal_head__\": 0.01} for the head node")
 
 
 @dataclass(frozen=True)
@@ -268,6 +271,10 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise ConfigError(f"{where}: expected a string, got {value!r}")
+    if typ is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping such as {{name: 1}}, got {value!r}")
+        return dict(value)
     if typ is list or origin is list:
         if isinstance(value, str):
             value = [v for v in value.split(",") if v]

@@ -40,6 +40,19 @@ def _require(cond: bool, key: str, msg: str) -> None:
         raise ConfigError(f"{key}: {msg}")
 
 
+#: Ray's own resources, which have fields of their own (``*_num_cpus`` / ``*_num_gpus``)
+BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+def _check_resources(value, key: str) -> None:
+    """``value`` maps custom Ray resource names to positive amounts (``.options(resources=...)``)."""
+    ok = isinstance(value, dict) and all(
+        isinstance(k, str) and k and k not in BUILTIN_RESOURCES and isinstance(v, (int, float))
+        and not isinstance(v, bool) and v > 0 for k, v in value.items())
+    _require(ok, key, "must map custom Ray resource names to positive amounts, e.g. {learn_node: 1} (CPUs and GPUs "
+             f"have their own fields, *_num_cpus and *_num_gpus); got {value!r}")
+
+
 def validate(cfg: Config) -> None:
     """Start-up checks; each names the field and what would work."""
     r, t, a = cfg.rollout, cfg.train, cfg.algo
@@ -90,6 +103,9 @@ def validate(cfg: Config) -> None:
     _require(cfg.reward.timeout_s > 0, "reward.timeout_s", f"must be > 0, got {cfg.reward.timeout_s}")
     _require(0 < cfg.reward.max_invalid_frac <= 1, "reward.max_invalid_frac", "must be in (0, 1]")
     _one_of(cfg.ray.omp_wait_policy, OMP_WAIT_POLICIES, "ray.omp_wait_policy")
+    _check_resources(r.generator_resources, "rollout.generator_resources")
+    _check_resources(t.learner_resources, "train.learner_resources")
+    _check_resources(cfg.reward.grader_resources, "reward.grader_resources")
     _require(cfg.ray.weight_sync_backend in ("auto", "gloo", "nccl", "ipc"), "ray.weight_sync_backend",
              f"must be auto, gloo, nccl or ipc, got {cfg.ray.weight_sync_backend!r}")
     for i, entry in enumerate(cfg.data.mix):

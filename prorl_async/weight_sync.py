@@ -44,6 +44,7 @@ The same-device transport (backend ``ipc``, one GPU shared by learner and genera
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from datetime import timedelta
@@ -51,6 +52,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024  # small tensors are packed into buckets of at most this
 DIRECT_BYTES = 1 << 20  # a tensor at least this large is a bucket of its own, sent in place
@@ -89,6 +91,30 @@ def serve_store(host: str, timeout: timedelta = STORE_TIMEOUT) -> tuple[dist.TCP
     returned store is referenced."""
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
     return store, store.port
+
+
+def bind_gloo(host: str) -> None:
+    """Every gloo group this process makes from now on listens on ``host`` (its node's IP as Ray
+    knows it; ``""`` undoes it): the groups torch makes (``init_process_group``, ``new_group``:
+    the learners' world under DeepSpeed) and :class:`WeightSyncGroup`. Without it gloo listens on
+    the address the machine's hostname resolves to, which is 127.0.1.1 on many Debian hosts and
+    unreachable from the other nodes. ``GLOO_SOCKET_IFNAME``, torch's own setting (interface
+    names), wins when set. Torch takes a device for the groups it makes from nowhere else, so the
+    class ``distributed_c10d`` builds them with (``dist.ProcessGroupGloo`` stays torch's) is
+    replaced by a subclass that passes one."""
+    gloo = dist.ProcessGroupGloo
+
+    class NodeGloo(dist.ProcessGroupGloo):
+        def __init__(self, store, rank, size, timeout=timedelta(minutes=30)):
+            if isinstance(timeout, gloo._Options) or len(os.environ.get("GLOO_SOCKET_IFNAME", "")) > 1:
+                super().__init__(store, rank, size, timeout)  # torch reads GLOO_SOCKET_IFNAME itself
+                return
+            opts = gloo._Options()
+            opts._devices = [gloo.create_device(hostname=host)]
+            opts._timeout = timeout
+            super().__init__(store, rank, size, opts)
+
+    distributed_c10d.ProcessGroupGloo = NodeGloo if host else gloo
 
 
 def _nbytes(shape, dtype: torch.dtype) -> int:
@@ -321,8 +347,8 @@ class WeightSyncGroup:
         self._store = store
         if rank != 0:  # announced before the group forms, so the sender can read it once formed
             store.set(f"wire_dtype/{rank}", str(self.wire_dtype or "none").removeprefix("torch."))
-        if backend == "gloo":
-            self.pg = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
+        if backend == "gloo":  # on the node's address once bind_gloo was called
+            self.pg = distributed_c10d.ProcessGroupGloo(store, rank, world_size, self.timeout)
         else:  # pragma: no cover - needs GPUs
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = self.timeout

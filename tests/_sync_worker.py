@@ -51,3 +51,32 @@ def member(rank: int, port: int, backend: str, device: str, scenario: str, q) ->
             q.put(("receiver", results))
     except Exception as e:  # reported to the test, which fails with it
         q.put(("error", f"rank {rank}: {type(e).__name__}: {e}"))
+
+
+def bound_member(rank: int, ports: tuple, ifname: str, q) -> None:
+    """A process whose gloo groups listen on 127.0.0.<2 + rank> (``bind_gloo``), or on ``ifname``'s
+    address when GLOO_SOCKET_IFNAME names one: the learners' world (``init_process_group`` and a
+    ``new_group``, as DeepSpeed makes them) and a weight-sync group; puts the addresses it listens on."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from actors.placement import listening_addresses
+    from prorl_async.weight_sync import WeightSyncGroup, bind_gloo
+
+    try:
+        if ifname:
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname
+        bind_gloo(f"127.0.0.{2 + rank}")
+        store = dist.TCPStore("127.0.0.1", ports[0], 2, is_master=rank == 0, timeout=timedelta(seconds=30))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+        t = torch.ones(2)
+        dist.all_reduce(t, group=dist.new_group([0, 1]))
+        sync = WeightSyncGroup("127.0.0.1", ports[1], rank, 2, "gloo", timeout_s=30.0)
+        q.put((rank, listening_addresses(), float(t[0])))
+        dist.barrier()
+        sync.close()
+        dist.destroy_process_group()
+    except Exception as e:  # pragma: no cover - reported to the test
+        q.put((rank, f"error: {type(e).__name__}: {e}", 0.0))

@@ -37,7 +37,8 @@ _LONG_FIRST = (
     "tests/test_e2e_recipe.py", "tests/test_faults_hard.py", "tests/data/test_layouts_cli.py",
     "tests/test_console.py", "tests/test_selection_cli.py", "tests/engines/test_vllm_multiprocess.py",
     "tests/learners/test_learner_group.py", "tests/learners/test_core.py", "tests/learners/test_multirank.py",
-    "tests/test_ledger.py", "tests/test_faults.py", "tests/test_chaos.py", "tests/test_ray_job.py")
+    "tests/test_ledger.py", "tests/test_faults.py", "tests/test_chaos.py", "tests/test_ray_job.py",
+    "tests/test_cluster_sim.py")
 
 
 def _work_unit(nodeid: str) -> str:

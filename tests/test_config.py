@@ -78,6 +78,23 @@ def test_config_is_a_leaf():
     assert not [m for m in imported if m.split(".")[:2] in [["prorl_async", h] for h in heavy]], imported
 
 
+@pytest.mark.parametrize("value", ["{CPU: 1}", "{learn_node: 0}", "{learn_node: -1}", "{learn_node: true}",
+                                   "{learn_node: lots}", "[learn_node]", "learn_node"])
+@pytest.mark.parametrize("key", ["rollout.generator_resources", "train.learner_resources", "reward.grader_resources"])
+def test_custom_resources_must_map_names_to_positive_amounts(key, value):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"{key}={value}"])
+    assert str(e.value).startswith(f"{key}: ") and str(e.value).count("\n") == 0, str(e.value)
+
+
+def test_custom_resources_pin_actors_from_yaml_or_a_dotted_key():
+    cfg = load_config(None, ["train.learner_resources={learn_node: 1}", "rollout.generator_resources.gen_node=0.5",
+                             'reward.grader_resources={"node:__internal_head__": 0.01}'])
+    assert cfg.train.learner_resources == {"learn_node": 1} and cfg.rollout.generator_resources == {"gen_node": 0.5}
+    assert cfg.reward.grader_resources == {"node:__internal_head__": 0.01}
+    assert load_config(None, []).train.learner_resources == {}  # none: actors go wherever Ray puts them
+
+
 # GPU layouts that pass field by field but cannot run (issue 26, item 7): one error each, naming
 # every field involved, and the neighbouring layout that can run still passes.
 NCCL = "ray.weight_sync_backend=nccl"

@@ -37,13 +37,13 @@ def test_the_policy_module_imports_no_ray():
 def test_a_dead_generators_request_is_reissued_resynced_and_counted():
     actions = POLICY.on_failure(BUFFERED, REQUEST, died("generator-1", "ActorDiedError"), FACTS)
     assert actions == (Reissue(REQUEST, "generator-1 died (ActorDiedError); 3 prompts re-issued"),
-                       Resync(), Count(gen_failures=2, grader_failures=0, grader_down=False))
+                       Resync(), Count(gen_failures=2, grader_failures=0, grader_down=False, gen_down=frozenset({"generator-1"})))
 
 
 def test_an_unknown_dead_actor_is_the_requests_generator():
     actions = POLICY.on_failure(BUFFERED, REQUEST, died(""), FACTS)
     assert actions[0].warning == "generator-1 died (RayTaskError); 3 prompts re-issued"
-    assert actions[1:] == (Resync(), Count(2, 0, False))
+    assert actions[1:] == (Resync(), Count(2, 0, False, frozenset({"generator-1"})))
 
 
 def test_a_dead_graders_request_is_reissued_without_a_resync_and_counted_once():
@@ -56,12 +56,26 @@ def test_a_dead_graders_request_is_reissued_without_a_resync_and_counted_once():
         Reissue(REQUEST, "grader died (RayTaskError); 3 prompts re-issued"),)
 
 
+def test_one_generator_death_is_counted_once_whatever_calls_it_fails():
+    """A SIGKILL fails the request in flight (counted), then the calls made while Ray restarts the actor
+    ("The actor is restarting"): the same death, re-issued and re-synced but not counted again, until
+    a request of that generator lands (the loop clears it then). Another generator's death counts."""
+    down = RunFacts(version=6, gen_failures=2, gen_down=frozenset({"generator-1"}))  # at the limit of 2: one more count would stop
+    restarting = Failure(died=True, role="generator-1", cause="ActorUnavailableError: The actor is restarting.",
+                         error_type="RayTaskError")
+    assert POLICY.on_failure(BUFFERED, REQUEST, restarting, down) == (
+        Reissue(REQUEST, "generator-1 died (RayTaskError); 3 prompts re-issued"), Resync())
+    assert POLICY.on_failure(EVALUATED, None, restarting, down) == (Resync(), EvaluateAgain())
+    other = POLICY.on_failure(BUFFERED, REQUEST, died("generator-0"), down)
+    assert other[2] == Count(3, 0, False, frozenset({"generator-0", "generator-1"})) and isinstance(other[3], Stop)
+
+
 def test_the_death_past_the_limit_reissues_then_stops():
     # limit 2, two deaths so far: the third is past it
     facts = RunFacts(version=6, gen_failures=2)
     actions = POLICY.on_failure(BUFFERED, REQUEST, died("generator-1"), facts)
     assert actions[:3] == (Reissue(REQUEST, "generator-1 died (RayTaskError); 3 prompts re-issued"), Resync(),
-                           Count(3, 0, False))
+                           Count(3, 0, False, frozenset({"generator-1"})))
     assert actions[3] == Stop(f"generators died 3 times (rollout.max_generator_failures=2); last: {CAUSE}")
     # at the limit (the second death) the run goes on
     assert not any(isinstance(a, Stop) for a in POLICY.on_failure(BUFFERED, REQUEST, died("generator-1"), FACTS))
@@ -75,7 +89,7 @@ def test_the_grader_past_the_limit_stops():
 def test_while_the_stop_checkpoint_is_written_deaths_are_counted_not_stopped_on():
     facts = RunFacts(version=6, gen_failures=5, stopping=True)
     actions = POLICY.on_failure(BUFFERED, REQUEST, died("generator-0"), facts)
-    assert actions[-1] == Count(6, 0, False) and not any(isinstance(a, Stop) for a in actions)
+    assert actions[-1] == Count(6, 0, False, frozenset({"generator-0"})) and not any(isinstance(a, Stop) for a in actions)
 
 
 def test_a_request_failed_by_an_exception_stops_with_the_handlers_name():
@@ -136,10 +150,10 @@ def test_a_failed_receive_reforms_the_group_with_one_sync_fewer_pending():
 # ------------------------------------------------------------------------ evaluation, grader counts, direct calls
 def test_a_generator_dead_mid_evaluation_is_counted_resynced_and_evaluated_again():
     assert POLICY.on_failure(EVALUATED, None, died("generator-0"), FACTS) == (
-        Count(2, 0, False), Resync(), EvaluateAgain())
+        Count(2, 0, False, frozenset({"generator-0"})), Resync(), EvaluateAgain())
     assert POLICY.on_failure(EVALUATED, None, died("grader"), FACTS) == (Count(1, 1, True), EvaluateAgain())
     past = POLICY.on_failure(EVALUATED, None, died("generator-0"), RunFacts(version=6, gen_failures=2))
-    assert past == (Count(3, 0, False),
+    assert past == (Count(3, 0, False, frozenset({"generator-0"})),
                     Stop(f"generators died 3 times (rollout.max_generator_failures=2); last: {CAUSE}"),
                     Resync(), EvaluateAgain())  # the loop stops at the Stop
 

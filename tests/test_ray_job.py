@@ -239,7 +239,7 @@ PLACEMENT_SCRIPT = r"""
 import os
 import ray
 from prorl_async.config import load_config
-from actors.cluster import RunError, generator_placement
+from actors.cluster import RunError, generator_placement, learner_placement
 
 ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, logging_level="ERROR",
          _temp_dir=os.environ["PRORL_TEST_RAY_TMP"])
@@ -267,6 +267,17 @@ try:
         raise AssertionError("expected RunError")
     except RunError as e:
         assert "rollout.generator_num_gpus=4" in str(e), e
+
+    opts, pg = generator_placement(load_config(None, ["rollout.generator_resources={gen_node: 1}"]), 0)
+    assert pg is None and opts["resources"] == {"gen_node": 1}, opts  # pinned to the nodes holding gen_node
+    ds = ["train.learner=deepspeed", "train.num_learners=2"]
+    assert learner_placement(load_config(None, [])) is None  # one learner: nothing to pack
+    try:  # a resource no node has: the learner ranks' bundles are one clear error, not pending actors
+        learner_placement(load_config(None, ds + ["train.learner_resources={learn_node: 1}"]), timeout_s=3)
+        raise AssertionError("expected RunError")
+    except RunError as e:
+        assert "train.learner_resources={'learn_node': 1}" in str(e) and "'learn_node': 1" in str(e), e
+        assert "within 3s; cluster resources: " in str(e), e
     print("placement ok")
 finally:
     ray.shutdown()

@@ -10,7 +10,7 @@ import torch
 import torch.multiprocessing as mp
 
 from prorl_async.weight_sync import WeightSyncError, WeightSyncGroup, free_port, serve_store, tensor_checksum
-from tests._sync_worker import member, named
+from tests._sync_worker import bound_member, member, named
 
 
 def _run(scenario: str, backend: str = "gloo", device: str = "cpu", timeout: float = 90.0) -> dict:
@@ -105,6 +105,33 @@ def test_a_served_store_holds_its_port_until_the_group_forms_on_it():
 
 
 @pytest.mark.gpu
+@pytest.mark.distributed
+@pytest.mark.parametrize("ifname, expect", [("", [("127.0.0.2",), ("127.0.0.3",)]),
+                                            ("lo", [("127.0.0.1",), ("127.0.0.1",)])], ids=["node-ip", "ifname"])
+def test_gloo_groups_listen_on_the_node_ip_or_gloo_socket_ifname(ifname, expect):
+    """bind_gloo: every gloo group of a process -- torch's (the world, a new group) and the
+    weight-sync group -- listens on the node's IP, not on what the hostname resolves to;
+    GLOO_SOCKET_IFNAME, when set, wins (``lo`` holds 127.0.0.1)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ports = (free_port(), free_port())
+    procs = [ctx.Process(target=bound_member, args=(r, ports, ifname, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = {}
+        for _ in range(2):
+            rank, listens, total = q.get(timeout=90)
+            got[rank] = listens
+            assert total == 2.0, listens
+    finally:
+        for p in procs:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+    assert [got[0], got[1]] == expect, got
+
+
 @pytest.mark.distributed
 def test_nccl_broadcast_between_two_gpus():
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
