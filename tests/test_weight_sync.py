@@ -104,7 +104,6 @@ def test_a_served_store_holds_its_port_until_the_group_forms_on_it():
     assert got and torch.equal(got[0], torch.arange(4.0))
 
 
-@pytest.mark.gpu
 @pytest.mark.distributed
 @pytest.mark.parametrize("ifname, expect", [("", [("127.0.0.2",), ("127.0.0.3",)]),
                                             ("lo", [("127.0.0.1",), ("127.0.0.1",)])], ids=["node-ip", "ifname"])
@@ -132,6 +131,7 @@ def test_gloo_groups_listen_on_the_node_ip_or_gloo_socket_ifname(ifname, expect)
     assert [got[0], got[1]] == expect, got
 
 
+@pytest.mark.gpu
 @pytest.mark.distributed
 def test_nccl_broadcast_between_two_gpus():
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
