@@ -56,6 +56,7 @@ EVAL_FRACTION, DEMO_FRACTION = 0.20, 0.05
 DEMO_SEED = 9_973  # the few-shot examples' seed: fixed, so train and eval prompts share them
 _RESERVED = ("n", "seed", "split", "shots", "answer", "level", "worked")
 _MAX_TRIES = 50  # generated items per wanted row before a split is declared too small
+_MIN_SCAN = 1000  # and at least this many: the demo split is 5 %, so 2 shots in 100 items fail 4 % of option sets
 
 SYSTEM_PROMPTS = {
     "tags": "Answer the question. Give the final answer between <answer> and </answer> tags, "
@@ -181,7 +182,7 @@ def _dataset(task: str, options: dict, seed: int, size: int):
 
 def _items(task: str, options: dict, seed: int, split: str, count: int):
     """``count`` items of ``split`` (question-hash split), in index order, with their indices."""
-    size = max(count, 1) * _MAX_TRIES
+    size = max(max(count, 1) * _MAX_TRIES, _MIN_SCAN)  # items are generated on access, in index order
     ds = _dataset(task, options, seed, size)
     out = []
     for idx in range(size):

@@ -49,6 +49,18 @@ def test_train_eval_and_demo_splits_never_share_a_question():
     assert load_rows("reasoning-gym:gcd?n=2&seed=9&max_value=20&shots=3")[0]["prompt"][:-1] == evals[0]["prompt"][:-1]
 
 
+def test_two_shots_are_found_where_the_first_100_items_hold_one_demo():
+    # the demo split is 5 %: of the first 100 items of these options only one is a demo, which the scan
+    # used to give up on (2 shots x 50 tries); rows and shots now come from further down the same index
+    opts = {"min_terms": 4, "max_terms": 4, "min_digits": 1, "max_digits": 2}
+    first = rg._dataset("chain_sum", opts, rg.DEMO_SEED, 100)
+    assert sum(rg.split_of(first[i]["question"]) == "demo" for i in range(100)) == 1
+    rows = load_rows("reasoning-gym:chain_sum?n=3&seed=2&split=eval&shots=2&worked=true"
+                     "&min_terms=4&max_terms=4&min_digits=1&max_digits=2")
+    demos = [m["content"] for m in rows[0]["prompt"][1:-1:2]]
+    assert len(rows) == 3 and len(demos) == 2 and all(rg.split_of(d) == "demo" for d in demos)
+
+
 def test_rows_are_deterministic_in_the_seed():
     a, b = load_rows(EASY_SUM), load_rows(EASY_SUM)
     c = load_rows(EASY_SUM.replace("seed=3", "seed=4"))
