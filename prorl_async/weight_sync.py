@@ -357,19 +357,28 @@ class WeightSyncGroup:
         self.last_seconds = 0.0
         self.last_bytes = 0
 
+    def _failed(self, began: float, e: Exception) -> WeightSyncError:
+        """The error of a failed broadcast: how long it ran, against the timeout (a peer that went away
+        fails it at once, a peer that never came at the timeout)."""
+        took = time.monotonic() - began
+        return WeightSyncError(f"weight broadcast failed after {took:.1f} s "
+                               f"(timeout {self.timeout.total_seconds():.0f} s): {e}")
+
     def _start(self, t: torch.Tensor):
+        began = time.monotonic()
         try:
             return self.pg.broadcast(t, 0, self.timeout)
         except RuntimeError as e:
-            raise WeightSyncError(f"weight broadcast failed (timeout {self.timeout}): {e}") from e
+            raise self._failed(began, e) from e
 
     def _wait(self, work) -> None:
+        began = time.monotonic()
         try:
             ok = work.wait(self.timeout)
         except RuntimeError as e:  # gloo raises on timeout or a peer that went away
-            raise WeightSyncError(f"weight broadcast failed (timeout {self.timeout}): {e}") from e
+            raise self._failed(began, e) from e
         if not ok:
-            raise WeightSyncError(f"weight broadcast timed out after {self.timeout}")
+            raise WeightSyncError(f"weight broadcast timed out (timeout {self.timeout.total_seconds():.0f} s)")
 
     def _bcast(self, t: torch.Tensor) -> None:
         self._wait(self._start(t))

@@ -30,6 +30,11 @@ def member(rank: int, port: int, backend: str, device: str, scenario: str, q) ->
                 time.sleep(8)
                 q.put(("sender", "done"))
                 return
+            if scenario == "gone":  # goes away once the group is formed: the receiver fails at once
+                q.put(("sender", "gone"))
+                time.sleep(1.0)  # the queue's feeder thread delivers the message
+                import os
+                os._exit(0)
             for version, seed in ((1, 1), (2, 2)):
                 weights = named(seed, dev, extra=(scenario == "mismatch" and version == 1))
                 info = group.send(weights, version, bucket_bytes=1024)  # several buckets: the pipelined path
@@ -46,7 +51,7 @@ def member(rank: int, port: int, backend: str, device: str, scenario: str, q) ->
                                     [str(t.dtype) for _, t in got], group.last_bytes))
                 except WeightSyncError as e:
                     results.append(("refused", str(e), time.time() - t0))
-                if scenario == "silent":
+                if scenario in ("silent", "gone"):
                     break
             q.put(("receiver", results))
     except Exception as e:  # reported to the test, which fails with it

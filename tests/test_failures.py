@@ -141,10 +141,22 @@ def test_a_failed_broadcast_reforms_the_group():
 
 
 def test_a_failed_receive_reforms_the_group_with_one_sync_fewer_pending():
-    for failure in (raised("TimeoutError: no peer"), died("generator-0")):
-        cause = failure.cause
-        assert POLICY.on_failure(RECEIVED, 0, failure, FACTS) == (
-            Resync(f"weight sync failed ({cause}); re-forming the group", received=True),)
+    assert POLICY.on_failure(RECEIVED, 0, raised("TimeoutError: no peer"), FACTS) == (
+        Resync("weight sync failed (TimeoutError: no peer); re-forming the group", received=True),)
+
+
+def test_a_generator_death_found_by_a_weight_sync_is_counted_once():
+    """A generator that died while idle fails no request: the sync is the first call to notice it,
+    and the death counts toward rollout.max_generator_failures like any other, once."""
+    resync = Resync(f"weight sync failed ({CAUSE}); re-forming the group", received=True)
+    assert POLICY.on_failure(RECEIVED, 0, died("generator-0"), FACTS) == (
+        resync, Count(2, 0, False, frozenset({"generator-0"})))
+    # the request that the same death failed afterwards: re-issued, not counted again
+    down = RunFacts(version=6, gen_failures=2, gen_down=frozenset({"generator-0"}))
+    assert POLICY.on_failure(BUFFERED, Request(0, [{"id": 1}], 1), died("generator-0"), down)[2:] == ()
+    assert POLICY.on_failure(RECEIVED, 0, died("generator-0"), down) == (resync,)
+    past = POLICY.on_failure(SENT, None, died("generator-1"), down)  # another death, past the limit of 2
+    assert past[1] == Count(3, 0, False, frozenset({"generator-0", "generator-1"})) and isinstance(past[2], Stop)
 
 
 # ------------------------------------------------------------------------ evaluation, grader counts, direct calls

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 
@@ -68,8 +69,17 @@ def test_update_for_a_different_model_is_refused_and_the_group_stays_usable():
 def test_a_sync_that_never_comes_times_out_instead_of_hanging():
     out = _run("silent")
     [(status, message, waited)] = out["receiver"]
-    assert status == "refused" and "weight broadcast" in message
+    assert status == "refused" and "weight broadcast" in message and "timeout 5 s" in message
     assert waited < 30  # the 5 s timeout, not forever
+
+
+@pytest.mark.distributed
+def test_a_sender_that_went_away_fails_the_receive_at_once_and_says_how_soon():
+    out = _run("gone")
+    [(status, message, waited)] = out["receiver"]
+    took = re.search(r"weight broadcast failed after (\d+\.\d) s \(timeout 5 s\)", message)
+    assert status == "refused" and took, message
+    assert float(took.group(1)) < 4.5 and waited < 4.5  # a closed connection, not the timeout
 
 
 def test_port_in_use_is_a_clear_error():
