@@ -116,10 +116,10 @@ class FailurePolicy:
             resync = (Resync(),) if role.startswith("generator") else ()
             return (Reissue(request, warning), *resync, *self.count(role, error, facts))
         if kind in (SENT, RECEIVED):  # a generator's death found by the sync counts as any other (once)
-            resync = Resync(f"weight sync failed ({error.cause}); re-forming the group", received=kind == RECEIVED)
+            sync = Resync(f"weight sync failed ({error.cause}); re-forming the group", received=kind == RECEIVED)
             if error.died and error.role.startswith("generator"):
-                return (resync, *self.count(error.role, error, facts))
-            return (resync,)
+                return (sync, *self.count(error.role, error, facts))
+            return (sync,)
         if kind == TRAINED:  # an actor death here is not the learner's (that one is lost above)
             hint = self.resume_hint(facts) if error.died else self.good_weights_hint(error, facts)
             return (Stop(f"the learner failed at step {facts.version + 1}: {error.cause}" + hint,
