@@ -25,7 +25,7 @@ from prorl_async.engines.vllm import engine_options
 from prorl_async.metrics import rss_mb
 from prorl_async.weight_sync import bind_gloo
 
-from actors.placement import ActorPlace, here
+from actors.placement import ActorPlace, here, local_ip
 
 
 @ray.remote(max_concurrency=3)  # a request, a weight receive, and a group re-formation
@@ -34,7 +34,7 @@ class GeneratorActor:
         """``longest_prompt``: the run's longest prompt in tokens (0 = unknown), for vLLM's
         ``max_model_len`` (:func:`prorl_async.engines.vllm.engine_options`)."""
         torch.set_num_threads(cfg.rollout.num_threads or cfg.train.num_threads)
-        bind_gloo(ray.util.get_node_ip_address())  # its weight-sync group listens on this node's IP
+        bind_gloo(local_ip())  # its weight-sync group listens on this node's IP
         self.cfg, self.index = cfg, index
         r = cfg.rollout
         on_gpu = r.generator_num_gpus > 0

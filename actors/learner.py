@@ -11,7 +11,7 @@ from datetime import timedelta
 import ray
 import torch
 
-from actors.placement import ActorPlace, here
+from actors.placement import ActorPlace, here, local_ip
 from actors.replay_buffer import BatchRefs
 from prorl_async.machine import actor_runtime_env
 from prorl_async.console import with_role
@@ -24,14 +24,6 @@ from prorl_async.outputs import look_at_run_dir
 from prorl_async.metrics import rss_mb
 from prorl_async.weight_ipc import IpcWeightSender, device_key
 from prorl_async.weight_sync import WeightSyncGroup, bind_gloo, serve_store, tensor_checksum
-
-
-def local_ip() -> str:
-    """This node's address as Ray knows it (127.0.0.1 outside Ray)."""
-    try:
-        return ray.util.get_node_ip_address()
-    except Exception:  # not inside Ray
-        return "127.0.0.1"
 
 
 def optimizer_state_size(learner: Learner) -> float:

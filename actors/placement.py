@@ -28,6 +28,14 @@ class ActorPlace:
         return f"{self.role} on {self.node_ip}" + (f" ({', '.join(notes)})" if notes else "")
 
 
+def local_ip() -> str:
+    """This node's address as Ray knows it (127.0.0.1 outside Ray): the one every actor binds and reports."""
+    try:
+        return ray.util.get_node_ip_address()
+    except Exception:  # not inside Ray
+        return "127.0.0.1"
+
+
 def listening_addresses() -> tuple[str, ...]:
     """The addresses this process listens on over TCP, the wildcard (``0.0.0.0``, ``::``) left out:
     in an actor, those of its gloo groups (Ray's and the TCP stores' servers listen on the wildcard)."""
@@ -44,7 +52,7 @@ def listening_addresses() -> tuple[str, ...]:
 def here(role: str, world: str = "") -> ActorPlace:
     """This actor's :class:`ActorPlace`."""
     ctx = ray.get_runtime_context()
-    return ActorPlace(role, ray.util.get_node_ip_address(), os.getpid(), ctx.get_placement_group_id() or "",
+    return ActorPlace(role, local_ip(), os.getpid(), ctx.get_placement_group_id() or "",
                       listening_addresses(), world)
 
 
