@@ -29,7 +29,7 @@ class ActorPlace:
 
 
 def local_ip() -> str:
-    """This node's address as Ray knows it (127.0.0.1 outside Ray): the one every actor binds and reports."""
+    """This node's address as Ray knows it (127.0.0.1 where Ray cannot tell): the one every actor binds and reports."""
     try:
         return ray.util.get_node_ip_address()
     except Exception:  # not inside Ray
