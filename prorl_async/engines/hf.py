@@ -21,6 +21,7 @@ from prorl_async.engines.base import Completion, SamplingSpec, stop_token_ids
 from prorl_async.weight_ipc import IpcWeightReceiver
 from prorl_async.weight_sync import WeightSyncGroup, joined, tensor_checksum
 from prorl_async.models import context_length, load_model, load_tokenizer
+from prorl_async.receive_memory import check_update_fits
 
 
 class HFEngine:
@@ -37,6 +38,7 @@ class HFEngine:
         self.weight_sync_ranks = 1
         self._staged: Optional[tuple[int, list]] = None  # (version, [(name, tensor)]) received, not yet applied
         self._sync = None
+        self.update_bytes = 0  # what one update holds until applied (checked to fit when the group forms)
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
@@ -95,10 +97,13 @@ class HFEngine:
         into the model; the engine announces its dtype so the sender casts on its side (bf16 on
         the wire for bf16). ``ipc``: no group; the learner's handles arrive with each update."""
         dtype = next(t.dtype for _, t in self.named_tensors() if t.is_floating_point())
-        if backend == "ipc":
+        shapes = [(n, tuple(t.shape), t.dtype) for n, t in self.named_tensors()]
+        if backend == "ipc":  # the staged copy of the learner's tensors
+            self.update_bytes = check_update_fits(shapes, str(self.device), 1, "the HF engine")
             self._sync = IpcWeightReceiver(rank, str(self.device), wire_dtype=dtype)
-        else:
+        else:  # the received buckets and the staged copy
             device = str(self.device) if backend == "nccl" else "cpu"
+            self.update_bytes = check_update_fits(shapes, device, 2, "the HF engine")
             self._sync = WeightSyncGroup(host, port, rank, world_size, backend, timeout_s, wire_dtype=dtype,
                                          device=device)
         return str(dtype).removeprefix("torch.")

@@ -40,6 +40,7 @@ from typing import Iterator, Optional
 import torch
 
 from prorl_async import machine
+from prorl_async.receive_memory import check_update_fits
 from prorl_async.weight_ipc import IpcWeightReceiver
 from prorl_async.weight_sync import WeightSyncError, WeightSyncGroup, _checksum, chain_checksums, joined, tensor_checksum
 
@@ -54,6 +55,8 @@ class WeightSyncWorkerExtension:
         device = "cpu" if backend == "gloo" else str(self.device)
         self._prorl_expected = [(n, tuple(s), getattr(torch, dt)) for n, s, dt in manifest]
         wire = next((dt for _, _, dt in self._prorl_expected if dt.is_floating_point), None)
+        # held until applied: the received buckets, or (ipc, mid-request) the staged copy
+        self.prorl_update_bytes = check_update_fits(self._prorl_expected, device, 1, f"vLLM worker rank {rank}")
         if backend == "ipc":  # same device: the learner's handles come with each update
             self._prorl_sync = IpcWeightReceiver(rank, str(getattr(self, "device", "cpu")),
                                                  wire_dtype=wire)
