@@ -108,3 +108,14 @@ def test_compiled_learner_on_cuda_matches_the_eager_learner(tiny_model):
         for k in ("actor/pg_loss", "actor/grad_norm", "kl/loss_term", "mismatch/logprob_abs_diff_mean"):
             assert math.isfinite(got[k]) and abs(got[k] - want[k]) <= 2e-2 * max(1.0, abs(want[k])), (k, got[k], want[k])
     assert runs["auto"][1]["kl/loss_term"] > 0  # the second step's policy has moved from the reference
+
+
+def test_an_update_larger_than_the_free_gpu_memory_is_refused():
+    from prorl_async.receive_memory import check_update_fits, free_bytes
+    from prorl_async.weight_sync import WeightSyncError
+
+    free = free_bytes("cuda:0")
+    assert 0 < free <= torch.cuda.get_device_properties(0).total_memory
+    with pytest.raises(WeightSyncError, match="rollout.gpu_memory_utilization"):
+        check_update_fits([("w", (free // 2 + 2**28,), torch.bfloat16)], "cuda:0", 1, "vLLM worker rank 1")
+    assert check_update_fits([("w", (free // 8,), torch.bfloat16)], "cuda:0", 2, "x") == free // 8 * 4
