@@ -23,7 +23,7 @@ from prorl_async.ledger import write_step
 from prorl_async.outputs import look_at_run_dir
 from prorl_async.metrics import rss_mb
 from prorl_async.weight_ipc import IpcWeightSender, device_key
-from prorl_async.weight_sync import WeightSyncGroup, bind_gloo, serve_store, tensor_checksum
+from prorl_async.weight_sync import WeightSyncGroup, bind_gloo, close_group, serve_store, tensor_checksum
 
 
 def optimizer_state_size(learner: Learner) -> float:
@@ -116,6 +116,7 @@ class LearnerActor:
         return device_key(self.learner.device)
 
     def init_weight_sync(self, host: str, port: int, world_size: int, backend: str, wire_dtype=None) -> bool:
+        close_group(self._sync)  # a re-formed group: the old one's communicator and store go first
         if backend == "ipc":  # same device: handles to a snapshot instead of a collective
             self._sync = IpcWeightSender(world_size - 1, device=str(self.learner.device), wire_dtype=wire_dtype)
             return True

@@ -47,8 +47,9 @@ import json
 import os
 import socket
 import time
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Optional, Sequence, Union
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -62,6 +63,30 @@ VERIFY_MODES = ("sampled", "full")
 
 class WeightSyncError(RuntimeError):
     pass
+
+
+@contextmanager
+def nccl_errors_raise() -> Iterator[None]:
+    """For the NCCL groups made inside: a failed or timed-out collective aborts the communicator
+    and raises (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``, clean-up only), where torch's default tears
+    the whole process down. A weight-sync peer that dies then costs a re-formed group, not the
+    learner. Torch reads the variable when it makes a group, so other groups (the learners' own
+    world) keep theirs; a value the user set wins."""
+    key = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    before = os.environ.get(key)
+    os.environ[key] = before or "2"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+
+
+def close_group(member) -> None:
+    """Close a weight-sync member that is being replaced: a :class:`WeightSyncGroup` (its
+    communicator, sockets and store), an IPC sender (the snapshots it holds); ``None``: nothing."""
+    if member is not None:
+        member.close()
 
 
 def joined(receiver):
@@ -352,7 +377,8 @@ class WeightSyncGroup:
         else:  # pragma: no cover - needs GPUs
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = self.timeout
-            self.pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+            with nccl_errors_raise():
+                self.pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
         self._receiver_dtype: Optional[tuple] = None
         self.last_seconds = 0.0
         self.last_bytes = 0
@@ -484,12 +510,19 @@ class WeightSyncGroup:
         return version, out
 
     def close(self) -> None:
-        try:
-            if hasattr(self.pg, "shutdown"):
-                self.pg.shutdown()
-        except Exception:
-            pass
-        self.pg = None
+        """End this member's part of the group, for good (idempotent): an NCCL communicator is
+        aborted first (a peer may be gone mid-collective: waiting for it would hang), then the
+        group is shut down and its store released (rank 0's listener closes with its last
+        reference). Called on re-forming a group, so each re-form does not leak a communicator,
+        its sockets and a store listener."""
+        pg, self.pg, self._store = self.pg, None, None
+        if pg is None:
+            return
+        for name in (("abort", "shutdown") if self.backend == "nccl" else ("shutdown",)):
+            try:
+                getattr(pg, name, lambda: None)()
+            except Exception:  # noqa: BLE001 - a group already broken by its peer; nothing else to free
+                pass
 
 
 def _unpack(buckets, flats, sent) -> list[tuple[str, torch.Tensor]]:

@@ -85,3 +85,31 @@ def bound_member(rank: int, ports: tuple, ifname: str, q) -> None:
         dist.destroy_process_group()
     except Exception as e:  # pragma: no cover - reported to the test
         q.put((rank, f"error: {type(e).__name__}: {e}", 0.0))
+
+
+def reform_member(rank: int, ports: tuple, replaced: str, q) -> None:
+    """Forms a weight-sync group on each of ``ports`` in turn (one update through each), as a
+    re-forming generator or learner does. The old group stays referenced (as a traceback or a
+    pending work object can hold it) and is ``replaced`` by ``"close"`` (closed first) or
+    ``"keep"`` (not closed); puts this process's open fds and listening sockets after each group."""
+    import psutil
+
+    from prorl_async.weight_sync import WeightSyncGroup, close_group
+
+    try:
+        me, seen, old = psutil.Process(), [], []
+        group = None
+        for k, port in enumerate(ports):
+            if replaced == "close":
+                close_group(group)
+            old.append(group)
+            group = WeightSyncGroup("127.0.0.1", port, rank, 2, "gloo", timeout_s=30.0)
+            if rank == 0:
+                group.send(named(k), k + 1)
+            else:
+                group.receive()
+            seen.append((me.num_fds(), sum(c.status == "LISTEN" for c in me.net_connections("tcp"))))
+        close_group(group)
+        q.put((rank, seen))
+    except Exception as e:  # pragma: no cover - reported to the test
+        q.put((rank, f"error: {type(e).__name__}: {e}"))

@@ -119,3 +119,27 @@ def test_an_update_larger_than_the_free_gpu_memory_is_refused():
     with pytest.raises(WeightSyncError, match="rollout.gpu_memory_utilization"):
         check_update_fits([("w", (free // 2 + 2**28,), torch.bfloat16)], "cuda:0", 1, "vLLM worker rank 1")
     assert check_update_fits([("w", (free // 8,), torch.bfloat16)], "cuda:0", 2, "x") == free // 8 * 4
+
+
+def test_a_one_rank_nccl_group_sends_closes_and_aborts_50_times_without_a_leak():
+    import os
+
+    import psutil
+
+    from prorl_async.weight_sync import WeightSyncGroup, free_port
+
+    me = psutil.Process()
+    named = [("w", torch.randn(1024, 1024, device="cuda:0"))]
+    seen = []
+    for k in range(50):
+        g = WeightSyncGroup("127.0.0.1", free_port(), 0, 1, "nccl", timeout_s=60, device="cuda:0")
+        assert os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") is None  # set only while the group was made
+        g.send(named, k + 1)
+        g.close()  # aborts the communicator, then shuts the group down
+        assert g.pg is None
+        if k in (4, 49):
+            torch.cuda.synchronize()
+            listening = sum(c.status == "LISTEN" for c in me.net_connections("tcp"))
+            seen.append((me.num_fds(), listening, torch.cuda.memory_allocated()))
+    (fds0, listen0, mem0), (fds1, listen1, mem1) = seen
+    assert fds1 <= fds0 + 2 and listen1 <= listen0 and mem1 == mem0, seen

@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 from prorl_async.weight_sync import WeightSyncError, WeightSyncGroup, free_port, serve_store, tensor_checksum
-from tests._sync_worker import bound_member, member, named
+from tests._sync_worker import bound_member, member, named, reform_member
 
 
 def _run(scenario: str, backend: str = "gloo", device: str = "cpu", timeout: float = 90.0) -> dict:
@@ -80,6 +80,33 @@ def test_a_sender_that_went_away_fails_the_receive_at_once_and_says_how_soon():
     took = re.search(r"weight broadcast failed after (\d+\.\d) s \(timeout 5 s\)", message)
     assert status == "refused" and took, message
     assert float(took.group(1)) < 4.5 and waited < 4.5  # a closed connection, not the timeout
+
+
+@pytest.mark.distributed
+def test_a_re_formed_group_closes_the_old_one_leaving_no_sockets_or_listeners():
+    """Six groups in turn between the same two processes, each old one still referenced: closed
+    first, the fds and listening sockets stay flat; not closed, each re-form leaks its gloo
+    sockets and (rank 0) its store listener -- the control shows the probe sees a leak."""
+    ctx = mp.get_context("spawn")
+    seen = {}
+    for replaced in ("close", "keep"):
+        q = ctx.Queue()
+        ports = tuple(free_port() for _ in range(6))
+        procs = [ctx.Process(target=reform_member, args=(r, ports, replaced, q)) for r in range(2)]
+        for p in procs:
+            p.start()
+        try:
+            got = dict(q.get(timeout=120) for _ in range(2))
+        finally:
+            for p in procs:
+                p.join(timeout=20)
+                p.kill() if p.is_alive() else None
+        assert all(isinstance(v, list) for v in got.values()), got
+        seen[replaced] = got
+    for rank in (0, 1):
+        assert seen["close"][rank][-1] == seen["close"][rank][0], seen["close"]  # fds, listeners flat
+        fds, listening = seen["keep"][rank][-1]
+        assert fds >= seen["keep"][rank][0][0] + 5 and listening >= seen["keep"][rank][0][1] + 5, seen["keep"]
 
 
 def test_port_in_use_is_a_clear_error():

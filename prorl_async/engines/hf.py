@@ -19,7 +19,7 @@ import torch
 from prorl_async import machine
 from prorl_async.engines.base import Completion, SamplingSpec, stop_token_ids
 from prorl_async.weight_ipc import IpcWeightReceiver
-from prorl_async.weight_sync import WeightSyncGroup, joined, tensor_checksum
+from prorl_async.weight_sync import WeightSyncGroup, close_group, joined, tensor_checksum
 from prorl_async.models import context_length, load_model, load_tokenizer
 from prorl_async.receive_memory import check_update_fits
 
@@ -96,6 +96,7 @@ class HFEngine:
         Received buffers live where the backend moves them (NCCL: this engine's GPU), then load
         into the model; the engine announces its dtype so the sender casts on its side (bf16 on
         the wire for bf16). ``ipc``: no group; the learner's handles arrive with each update."""
+        close_group(self._sync)  # a re-formed group: the old one's communicator and sockets go first
         dtype = next(t.dtype for _, t in self.named_tensors() if t.is_floating_point())
         shapes = [(n, tuple(t.shape), t.dtype) for n, t in self.named_tensors()]
         if backend == "ipc":  # the staged copy of the learner's tensors

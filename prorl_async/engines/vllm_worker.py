@@ -42,7 +42,8 @@ import torch
 from prorl_async import machine
 from prorl_async.receive_memory import check_update_fits
 from prorl_async.weight_ipc import IpcWeightReceiver
-from prorl_async.weight_sync import WeightSyncError, WeightSyncGroup, _checksum, chain_checksums, joined, tensor_checksum
+from prorl_async.weight_sync import (WeightSyncError, WeightSyncGroup, _checksum, chain_checksums, close_group, joined,
+                                     tensor_checksum)
 
 
 class WeightSyncWorkerExtension:
@@ -52,6 +53,7 @@ class WeightSyncWorkerExtension:
                                timeout_s: float, manifest: list, checksum: Optional[int] = None) -> int:
         """Join the weight-sync group as rank ``base_rank + <this worker's TP rank>``."""
         rank = base_rank + int(getattr(self, "rank", 0))
+        close_group(getattr(self, "_prorl_sync", None))  # a re-formed group: the old one goes first
         device = "cpu" if backend == "gloo" else str(self.device)
         self._prorl_expected = [(n, tuple(s), getattr(torch, dt)) for n, s, dt in manifest]
         wire = next((dt for _, _, dt in self._prorl_expected if dt.is_floating_point), None)
