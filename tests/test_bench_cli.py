@@ -21,9 +21,6 @@ def test_bench_quick_weight_sync_prints_the_ratio_and_writes_json(tmp_path):
     assert re.search(r"^machine: .+ cores, amx_bf16 (yes|no), avx512_bf16 (yes|no), GPU ", r.stdout, re.M)
     line = next(x for x in r.stdout.splitlines() if x.startswith("weight_sync") and RATIO in x)
     shown = float(re.search(r"(\d+\.\d+)x", line.split(RATIO, 1)[1]).group(1))
-    # protocol time over a bare broadcast of the same bytes: about 1 (it does the broadcast and
-    # more); on a shared 2-core machine either side can lose the CPU for a while, hence wide bounds
-    assert 0.1 < shown < 50, r.stdout[-3000:]
     assert "<= 1.3x" in line and "GB/s" in line
     summary = json.loads((out / "bench_summary.json").read_text())
     assert summary["mode"] == "quick" and summary["failed"] == []
@@ -32,6 +29,12 @@ def test_bench_quick_weight_sync_prints_the_ratio_and_writes_json(tmp_path):
     assert abs(row["value"] - shown) < 0.006
     raw = json.loads((out / "bench_weight_sync.json").read_text())  # the script wrote into --out
     assert raw["rows"][0]["ratio"] == row["value"]
+    # what the ratio is made of, exactly (its size is the benchmark's to report, in RESULTS.md, not a
+    # test's to bound on a shared 2-core machine): the protocol's time over the bare broadcast's, of
+    # the whole model's fp32 bytes
+    first = raw["rows"][0]
+    assert first["sync_s"] > 0 and first["raw_s"] > 0 and abs(first["sync_s"] / first["raw_s"] - shown) < 0.006
+    assert abs(first["gb"] - first["params_m"] * 1e6 * 4 / 1e9) < 0.01 and first["mode"] == "float32"
     assert (out / "bench_weight_sync.png").is_file() and "bare" in (out / "weight_sync.log").read_text()
 
 
