@@ -385,12 +385,20 @@ class WeightSyncGroup:
 
     def _failed(self, began: float, e: Exception) -> WeightSyncError:
         """The error of a failed broadcast: how long it ran, against the timeout (a peer that went away
-        fails it at once, a peer that never came at the timeout)."""
+        fails it at once, a peer that never came at the timeout). The group is closed here (an NCCL
+        communicator aborted at once, not left to the watchdog): no collective can run on it again."""
         took = time.monotonic() - began
+        self.close()
         return WeightSyncError(f"weight broadcast failed after {took:.1f} s "
                                f"(timeout {self.timeout.total_seconds():.0f} s): {e}")
 
+    def _check_open(self) -> None:
+        if self.pg is None:
+            raise WeightSyncError("this weight-sync group was closed (a broadcast on it failed, or it was "
+                                  "replaced); the group must be re-formed before the next update")
+
     def _start(self, t: torch.Tensor):
+        self._check_open()
         began = time.monotonic()
         try:
             return self.pg.broadcast(t, 0, self.timeout)
@@ -428,6 +436,7 @@ class WeightSyncGroup:
         ``verify``: ``"sampled"`` / ``"full"`` for this sync (default: the group's).
         """
         assert self.rank == 0, "only rank 0 sends"
+        self._check_open()
         verify = verify or self.verify
         if verify not in VERIFY_MODES:
             raise ValueError(f"weight sync verify must be one of {VERIFY_MODES}, got {verify!r}")
@@ -471,6 +480,7 @@ class WeightSyncGroup:
         manifest or checksum mismatch and on a NaN or an infinity in any received value.
         """
         assert self.rank != 0, "rank 0 sends"
+        self._check_open()
         t0 = time.perf_counter()
         header = torch.zeros(4, dtype=torch.float64, device=self.device)
         self._bcast(header)

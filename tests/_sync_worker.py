@@ -52,6 +52,11 @@ def member(rank: int, port: int, backend: str, device: str, scenario: str, q) ->
                 except WeightSyncError as e:
                     results.append(("refused", str(e), time.time() - t0))
                 if scenario in ("silent", "gone"):
+                    if scenario == "gone":  # the failed group was closed: the next update says so
+                        try:
+                            group.receive(expect)
+                        except WeightSyncError as e:
+                            results.append(("closed", str(e), group.pg is None))
                     break
             q.put(("receiver", results))
     except Exception as e:  # reported to the test, which fails with it

@@ -76,10 +76,13 @@ def test_a_sync_that_never_comes_times_out_instead_of_hanging():
 @pytest.mark.distributed
 def test_a_sender_that_went_away_fails_the_receive_at_once_and_says_how_soon():
     out = _run("gone")
-    [(status, message, waited)] = out["receiver"]
+    [(status, message, waited), (closed, again, pg_gone)] = out["receiver"]
     took = re.search(r"weight broadcast failed after (\d+\.\d) s \(timeout 5 s\)", message)
     assert status == "refused" and took, message
     assert float(took.group(1)) < 4.5 and waited < 4.5  # a closed connection, not the timeout
+    # the failure closed the group (an NCCL communicator would be aborted there): the next update is
+    # refused with what to do, instead of running a collective on a broken group
+    assert closed == "closed" and pg_gone and "must be re-formed" in again, again
 
 
 @pytest.mark.distributed
