@@ -314,6 +314,10 @@ class Actors:
         get([self.learner.init_weight_sync.remote(host, port, world, backend)]
              + [g.init_weight_sync.remote(host, port, 1 + sum(ranks[:i]), world, backend)
                 for i, g in enumerate(self.generators)], t.sync_timeout_s, "forming the weight-sync group")
+        if self.sync_epoch > 1:  # re-formed after a failure: where each generator is now (a restarted one may have moved)
+            places = get([g.where.remote() for g in self.generators], 600, "placement")
+            print(f"weight sync re-formed (group {self.sync_epoch}, store {self.sync_store}): "
+                  + "; ".join(str(p) for p in places), flush=True)
 
     def receive_args(self, sent) -> tuple:
         """Arguments of ``GeneratorActor.receive_weights`` for the learner's ``broadcast_weights``

@@ -17,6 +17,7 @@ from tests.conftest import cli
 PROJECT_LINES = [re.compile(p) for p in (
     r"run directory: \S+$",
     r"actors: \S+ on \S+.*; weight sync: \w+(, store \S+)?$",  # where each actor runs (actors/placement.py)
+    r"weight sync re-formed \(group \d+, store \S+\): \S+ on \S+.*",  # where the generators are after a failure
     r"building the built-in model tiny-arith \(.*\) into \S+$",
     r"converting SmolLM2-135M-Instruct from .*",
     r"  converted in \d+s$",
@@ -52,7 +53,9 @@ def test_project_line_formats_tell_the_projects_lines_from_an_engines():
     """The classifier the CLI tests count with, on lines from a real run's log before issue 27."""
     ours = ["run directory: /tmp/x/run", "actors: generator-0 on 10.0.0.2 (gloo 10.0.0.2); grader on 10.0.0.1; "
             "learner-0 on 10.0.0.3 (world 10.0.0.3:4100, gloo 10.0.0.3, placement group 1a2b3c4d); "
-            "weight sync: gloo, store 10.0.0.3:4200", "step    2/2  reward 0.250  acc 0.250  kl 0.00e+00  stale 1  gen 8 tok/s  "
+            "weight sync: gloo, store 10.0.0.3:4200",
+            "weight sync re-formed (group 2, store 10.0.0.3:4300): generator-0 on 10.0.0.4 (gloo 10.0.0.4)",
+            "step    2/2  reward 0.250  acc 0.250  kl 0.00e+00  stale 1  gen 8 tok/s  "
             "train 102 tok/s  [55s elapsed, ~0s left]", "held-out at step 2: pass@1 0.250  pass@2 0.500",
             "3/8  sampled held-out evaluation, step 0", "done: 2 steps in 51s; run dir /tmp/x/run",
             "best: val/pass@1 0.062 at step 2 -> /tmp/x/run/best", "best: val/pass@1 0.062 at step 2 (/tmp/x/run/best)",
