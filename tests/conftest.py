@@ -38,7 +38,7 @@ _LONG_FIRST = (
     "tests/test_console.py", "tests/test_selection_cli.py", "tests/engines/test_vllm_multiprocess.py",
     "tests/learners/test_learner_group.py", "tests/learners/test_core.py", "tests/learners/test_multirank.py",
     "tests/test_ledger.py", "tests/test_faults.py", "tests/test_chaos.py", "tests/test_ray_job.py",
-    "tests/test_cluster_sim.py")
+    "tests/test_cluster_sim.py", "tests/test_node_death.py")
 
 
 def _work_unit(nodeid: str) -> str:
