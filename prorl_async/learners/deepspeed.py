@@ -23,8 +23,9 @@ class owns only what DeepSpeed owns:
   non-finite gradient norm and discards the step (weights and optimizer state unchanged,
   ``was_step_applied()`` false), which the core counts. Relies on ZeRO stages 1-3
   (``bf16.check_grad_overflow`` is set); stage 0 has no such check;
-* full parameters for broadcast and saving are gathered with ``GatheredParameters`` under
-  ZeRO-3; the reference policy is a frozen plain-torch copy on the learner's device;
+* full parameters for broadcast, saving and reference resets are gathered under ZeRO-3 one
+  parameter at a time (``GatheredParameters``), and only rank 0, which sends and saves, keeps a
+  copy; the reference policy is a frozen plain-torch copy on the learner's device;
 * DeepSpeed's own checkpoint.
 """
 
@@ -35,7 +36,7 @@ import copy
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import pyarrow as pa
 import torch
@@ -218,25 +219,34 @@ class DeepSpeedLearner:
         return self.core.learner_step(table, step, stats_reduce=self._allreduce)
 
     # ------------------------------------------------------------------ reference, weights
-    def _gathered(self):
-        if self.cfg.train.zero_stage == 3:
-            import deepspeed
-            return deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None)
-        return contextlib.nullcontext()
+    def _full_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """Each parameter whole, one at a time: under ZeRO-3 a collective (every rank iterates to
+        the end) that gathers one parameter, yields it and frees the gathered copy before the next,
+        so no rank holds more than its shard and one full parameter; other stages hold them whole."""
+        if self.cfg.train.zero_stage != 3:
+            yield from self.model.named_parameters()
+            return
+        import deepspeed
+
+        for n, p in self.model.named_parameters():
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                yield n, p
 
     @torch.no_grad()
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """Full parameters in HF layout and the run's dtype (gathered under ZeRO-3; collective)."""
+        """Full parameters in HF layout and the run's dtype, on rank 0 (the one that sends and
+        saves them); the other ranks take part in the ZeRO-3 gathers (a collective: every rank
+        calls it) and keep nothing."""
         dtype = getattr(torch, self.cfg.model.dtype)
-        with self._gathered():
-            return [(n, p.detach().to(dtype).clone()) for n, p in self.model.named_parameters()]
+        keep = self.rank == 0
+        return [(n, p.detach().to(dtype).clone()) for n, p in self._full_parameters() if keep]
 
     @torch.no_grad()
     def reset_reference(self, cause: str) -> None:
-        if self.ref is not None:
+        if self.ref is not None:  # every rank's reference takes the policy, a parameter at a time
             ref_params = dict(self.ref.named_parameters())
-            for n, p in self.named_tensors():
-                ref_params[n].copy_(p)
+            for n, p in self._full_parameters():
+                ref_params[n].copy_(p.detach())
         if self.cfg.algo.ref_reset_optimizer:
             _base_optimizer(self.opt).state.clear()
 
