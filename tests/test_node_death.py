@@ -1,7 +1,7 @@
 """A node dies under a generator, mid-run, on a simulated cluster (issue 26).
 
-``ray.cluster_utils.Cluster``: a head (the grader), a learner node (127.0.0.3) and two nodes that
-can hold the generator (``gen_node``: 127.0.0.2, where it starts, and a spare at 127.0.0.4).
+``ray.cluster_utils.Cluster``: a head (the grader), a learner node (127.0.0.13) and two nodes that
+can hold the generator (``gen_node``: 127.0.0.12, where it starts, and a spare at 127.0.0.14).
 ``prorl-async train`` (the real CLI, a subprocess) runs against it; after a few steps the test
 removes the generator's node (``Cluster.remove_node``: its raylet and every worker on it die).
 Ray restarts the generator on the spare node, the driver re-forms the weight-sync group and the
@@ -32,7 +32,9 @@ from tests.conftest import environ_restored
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
-GEN_IP, SPARE_IP, LEARN_IP = "127.0.0.2", "127.0.0.4", "127.0.0.3"
+# addresses of their own: test_cluster_sim (127.0.0.2-3) may run beside this one, and its learner must not
+# be taken for this run's
+GEN_IP, SPARE_IP, LEARN_IP = "127.0.0.12", "127.0.0.14", "127.0.0.13"
 STEPS, PROMPTS = 40, 4
 RUN = [f"train.total_steps={STEPS}", f"train.prompts_per_step={PROMPTS}", "rollout.n=4", "rollout.prompts_per_request=4",
        "train.eval_interval=0", "train.eval_samples=1", "data.eval=builtin:arithmetic?n=8&seed=2&split=eval",
