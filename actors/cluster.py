@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from prorl_async import console
 from prorl_async.config import Config
@@ -32,6 +33,12 @@ from actors.grader import GraderActor
 from actors.learner import start_learner
 from actors.placement import placement_line
 from actors.replay_buffer import ReplayBufferActor
+
+
+def on_driver_node() -> NodeAffinitySchedulingStrategy:
+    """Ray scheduling onto the node this driver runs on. Hard: with ``soft=True`` Ray 2.60 placed a
+    0-CPU actor on another node of a simulated cluster 4 times in 4, though the driver's node had room."""
+    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
 
 
 class RunError(RuntimeError):
@@ -248,11 +255,13 @@ class Actors:
                                        **({"name": f"{name}/generator-{i}"} if name else {}))
                 .remote(cfg, model_path, i, longest_prompt) for i, (opts, _) in enumerate(placed)]
         # the grader is stateless: restarted by Ray, the driver re-issues the requests it dropped.
-        # The buffer holds the unconsumed groups: never restarted empty; its death stops the run
+        # The buffer holds the unconsumed groups: never restarted empty; its death stops the run, so
+        # it lives on the driver's node, which the run cannot outlive anyway (not on a generator's)
         grader = GraderActor.options(**grader_options(cfg),
                                      max_restarts=GRADER_MAX_RESTARTS, max_task_retries=0,
                                      **({"name": f"{name}/grader"} if name else {})).remote(cfg)
         buffer = ReplayBufferActor.options(**console.with_role({"num_cpus": 0}, "buffer"), max_restarts=0,
+                                           scheduling_strategy=on_driver_node(),
                                            **({"name": f"{name}/buffer"} if name else {})
                                            ).remote(t.max_staleness, cfg.algo.dynamic_sampling)
         actors = cls(gens, grader, buffer, learner, [pg for _, pg in placed if pg is not None]

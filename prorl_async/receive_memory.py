@@ -14,12 +14,12 @@ from typing import Sequence
 
 import torch
 
-from prorl_async.weight_sync import WeightSyncError
+from prorl_async.weight_sync import WeightSyncError, nbytes
 
 
 def update_bytes(shapes: Sequence[tuple[str, tuple, torch.dtype]]) -> int:
     """Bytes of one update as received: every tensor of ``[(name, shape, wire dtype)]``."""
-    return sum(int(torch.Size(shape).numel()) * dtype.itemsize for _, shape, dtype in shapes)
+    return sum(nbytes(shape, dtype) for _, shape, dtype in shapes)
 
 
 def free_bytes(device: str) -> int:

@@ -142,7 +142,8 @@ def bind_gloo(host: str) -> None:
     distributed_c10d.ProcessGroupGloo = NodeGloo if host else gloo
 
 
-def _nbytes(shape, dtype: torch.dtype) -> int:
+def nbytes(shape, dtype: torch.dtype) -> int:
+    """Bytes of one tensor of ``shape`` in ``dtype``."""
     return int(torch.Size(shape).numel()) * dtype.itemsize
 
 
@@ -155,18 +156,18 @@ def plan_buckets(shapes: Sequence[tuple[str, tuple, torch.dtype]], bucket_bytes:
     cur: list[int] = []
     cur_bytes, cur_dtype = 0, None
     for i, (_, shape, dtype) in enumerate(shapes):
-        nbytes = _nbytes(shape, dtype)
-        if nbytes >= direct_bytes:
+        size = nbytes(shape, dtype)
+        if size >= direct_bytes:
             if cur:
                 buckets.append(cur)
                 cur, cur_bytes = [], 0
             buckets.append([i])
             continue
-        if cur and (dtype != cur_dtype or cur_bytes + nbytes > bucket_bytes):
+        if cur and (dtype != cur_dtype or cur_bytes + size > bucket_bytes):
             buckets.append(cur)
             cur, cur_bytes = [], 0
         cur.append(i)
-        cur_bytes += nbytes
+        cur_bytes += size
         cur_dtype = dtype
     if cur:
         buckets.append(cur)
@@ -452,11 +453,11 @@ class WeightSyncGroup:
                               dtype=torch.float64, device=self.device)
         self._bcast(header)
         self._bcast(manifest)
-        checksums, nbytes, inflight = [], 0, []
+        checksums, sent, inflight = [], 0, []
         for k, b in enumerate(buckets):  # pack and check the next bucket while earlier ones are on the wire
             flat = _pack([named[i][1] for i in b], shapes[b[0]][2], self.device)
             checksums.append(_checksum(flat, full, k))
-            nbytes += flat.numel() * flat.element_size()
+            sent += flat.numel() * flat.element_size()
             if len(inflight) >= IN_FLIGHT:
                 self._wait(inflight.pop(0))
             inflight.append(self._start(flat))
@@ -464,7 +465,7 @@ class WeightSyncGroup:
             self._wait(work)
         self._bcast(torch.tensor(checksums or [0.0], dtype=torch.float64, device=self.device))
         self.last_seconds = time.perf_counter() - t0
-        self.last_bytes = nbytes
+        self.last_bytes = sent
         return {"perf/sync_s": self.last_seconds, "perf/sync_gb": self.last_bytes / 1e9,
                 "perf/sync_gbps": self.last_bytes / 1e9 / max(self.last_seconds, 1e-9)}
 

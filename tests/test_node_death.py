@@ -114,6 +114,9 @@ def test_a_node_dies_under_the_generator_and_the_run_goes_on(cluster, tmp_path, 
         (start,) = [x for x in (tmp_path / "console.txt").read_text().splitlines() if x.startswith("actors: ")]
         first = re.match(r"actors: generator-0 on (\S+) ", start).group(1)  # either node that can hold it
         assert first in gen_nodes and f"generator-0 on {first} (gloo {first})" in start, start
+        # the buffer (its death would end the run) is on the driver's node, the head, beside the grader
+        head = re.search(r"; grader on (\S+);", start).group(1)
+        assert f"; buffer on {head};" in start and head not in gen_nodes, start
         c.remove_node(gen_nodes[first])  # the generator's node dies, with the generator on it
         killed_at = _steps(run_dir)
         while _steps(run_dir) < min(STEPS, killed_at + 8):  # steps after the re-formed group
