@@ -7,7 +7,7 @@ removes the generator's node (``Cluster.remove_node``: its raylet and every work
 Ray restarts the generator on the spare node, the driver re-forms the weight-sync group and the
 run finishes: the generator is back on the other node with gloo bound there, the death is counted
 once, no prompt is lost or trained twice, and the learner's process holds no more open files or
-listening sockets after the re-formed group than before it (the old group was closed).
+listening sockets after the re-formed group than before it.
 
 Only what the fixture started is stopped (``Cluster.shutdown``), never ``ray stop``.
 """
@@ -138,7 +138,10 @@ def test_a_node_dies_under_the_generator_and_the_run_goes_on(cluster, tmp_path, 
                                      rf"generator-0 on {other} \(gloo {other}\)", reformed[-1]), reformed
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["generator_failures"] == 1, summary  # one death, counted once
-    # the old group closed on the learner: no more open files or listening sockets than before it
+    # no more open files or listening sockets on the learner after the re-formed group than before it.
+    # Not evidence of the close on re-form by itself: gloo drops a dead peer's sockets on its own, and
+    # with both closes (re-form, failed broadcast) removed this still held (60 fds, 3 listeners before
+    # and after, 2026-11-27). test_weight_sync's re-formed-group test is the one that fails without them
     print(f"learner fds, listening sockets: {before} before the node died, {after} after the re-formed group")
     assert after[1] <= before[1] and after[0] <= before[0] + 4, (before, after)
 
