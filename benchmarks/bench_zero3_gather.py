@@ -6,7 +6,8 @@ and only rank 0, which sends and saves, keeps a copy: ``DeepSpeedLearner.named_t
 ``before`` reproduces the previous way (every parameter gathered at once, and every rank cloning
 the whole model). Each rank samples its own RSS every 2 ms during the call; the table gives the
 peak above the RSS just before it, per rank, for ``named_tensors()`` (what a sync sends) and for
-``save_checkpoint`` (which gathers the same way).
+``save_checkpoint`` (which gathers the same way), each call in fresh processes of its own (a
+checkpoint after a sync in the same process would start from what the allocator kept of the sync).
 
     .venv/bin/python benchmarks/bench_zero3_gather.py --model builtin:smollm2-135m-instruct
 
@@ -62,7 +63,7 @@ def gather_all_on_every_rank(learner):
         return [(n, p.detach().to(dtype).clone()) for n, p in learner.model.named_parameters()]
 
 
-def rank_main(rank: int, world: int, port: int, model: str, arm: str, out: str) -> None:
+def rank_main(rank: int, world: int, port: int, model: str, arm: str, call: str, out: str) -> None:
     import gc
 
     import torch
@@ -78,18 +79,19 @@ def rank_main(rank: int, world: int, port: int, model: str, arm: str, out: str) 
     if arm == "before":
         learner.named_tensors = lambda: gather_all_on_every_rank(learner)  # what save_checkpoint calls too
     gc.collect()
-    with PeakRss() as sync:
-        named = learner.named_tensors()
-        held = sum(t.numel() * t.element_size() for _, t in named) / 2**20
-        del named
-    gc.collect()
-    with tempfile.TemporaryDirectory() as d, PeakRss() as ckpt:
-        learner.save_checkpoint(d)
+    held = 0.0
+    if call == "sync":
+        with PeakRss() as peak:
+            named = learner.named_tensors()
+            held = sum(t.numel() * t.element_size() for _, t in named) / 2**20
+            del named
+    else:
+        with tempfile.TemporaryDirectory() as d, PeakRss() as peak:
+            learner.save_checkpoint(d)
     params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in learner.model.parameters())
-    with open(os.path.join(out, f"{arm}-rank{rank}.json"), "w") as f:
-        json.dump({"arm": arm, "rank": rank, "sync_peak_mb": sync.above_mb, "sync_kept_mb": held,
-                   "checkpoint_peak_mb": ckpt.above_mb, "model_fp32_mb": params * 4 / 2**20,
-                   "rss_before_mb": sync.base / 2**20}, f)
+    with open(os.path.join(out, f"{arm}-{call}-rank{rank}.json"), "w") as f:
+        json.dump({"arm": arm, "rank": rank, f"{call}_peak_mb": peak.above_mb, f"{call}_rss_before_mb": peak.base / 2**20,
+                   **({"sync_kept_mb": held} if call == "sync" else {}), "model_fp32_mb": params * 4 / 2**20}, f)
 
 
 def main() -> None:
@@ -105,17 +107,20 @@ def main() -> None:
     model = resolve_model_path(load_config(None, [f"model.path={args.model}"]).model)
     rows = []
     with tempfile.TemporaryDirectory() as out:
-        for arm in ("before", "after"):  # each arm its own processes, one after the other
-            code = (f"import sys; sys.path[:0] = [{str(ROOT / 'benchmarks')!r}, {str(ROOT)!r}]\n"
-                    "import torch.multiprocessing as mp, bench_zero3_gather as b\n"
-                    "from prorl_async.weight_sync import free_port\n"
-                    f"mp.spawn(b.rank_main, args=({args.world}, free_port(), {model!r}, {arm!r}, {out!r}), "
-                    f"nprocs={args.world})\n")
-            subprocess.run([sys.executable, "-c", code], check=True)
-            rows += [json.load(open(os.path.join(out, f"{arm}-rank{r}.json"))) for r in range(args.world)]
+        for arm in ("before", "after"):  # each arm and call its own processes, one after the other
+            for call in ("sync", "checkpoint"):
+                code = (f"import sys; sys.path[:0] = [{str(ROOT / 'benchmarks')!r}, {str(ROOT)!r}]\n"
+                        "import torch.multiprocessing as mp, bench_zero3_gather as b\n"
+                        "from prorl_async.weight_sync import free_port\n"
+                        f"mp.spawn(b.rank_main, args=({args.world}, free_port(), {model!r}, {arm!r}, {call!r}, {out!r}), "
+                        f"nprocs={args.world})\n")
+                subprocess.run([sys.executable, "-c", code], check=True)
+            rows += [{**json.load(open(os.path.join(out, f"{arm}-sync-rank{r}.json"))),
+                      **json.load(open(os.path.join(out, f"{arm}-checkpoint-rank{r}.json")))} for r in range(args.world)]
     print(f"model {args.model}: {rows[0]['model_fp32_mb']:.0f} MB in fp32, ZeRO-3, {args.world} ranks, CPU (gloo)")
-    print(table(rows, [("arm", "gather", "{}"), ("rank", "rank", "{}"), ("rss_before_mb", "RSS before (MB)", "{:.0f}"),
+    print(table(rows, [("arm", "gather", "{}"), ("rank", "rank", "{}"), ("sync_rss_before_mb", "RSS before sync (MB)", "{:.0f}"),
                        ("sync_peak_mb", "sync: peak above (MB)", "{:.0f}"), ("sync_kept_mb", "sync: kept (MB)", "{:.0f}"),
+                       ("checkpoint_rss_before_mb", "RSS before checkpoint (MB)", "{:.0f}"),
                        ("checkpoint_peak_mb", "checkpoint: peak above (MB)", "{:.0f}")]))
     print("wrote", write_json("bench_zero3_gather", {"machine": machine(), "model": args.model, "rows": rows}))
 
