@@ -1,11 +1,14 @@
-"""``ray job submit`` against a ``ray start --head`` cluster, token authentication on.
+"""``ray job submit`` against a ``ray start --head`` cluster, token authentication on: the
+walkthrough of docs/cluster.md ("On one machine").
 
-The head runs on loopback with its own ports, temp dir and HOME (so no ``~/.ray/auth_token``
-of the real user is read or written); the cluster token reaches it, and the ``ray job``
-client, through ``RAY_AUTH_MODE=token`` + ``RAY_AUTH_TOKEN``. The job is the real console
-script, shipped with ``--working-dir``. Teardown stops only what this test started: SIGTERM to
-its ``ray start --block`` process (which shuts down the gcs, raylet, dashboard and agents it
-spawned), then any process still carrying this test's marker in its environment.
+The head runs with its own ports, temp dir and HOME (so no ``~/.ray/auth_token`` of the real
+user is read or written); a second node joins it with ``ray start --address`` at 127.0.0.20
+with a custom resource (``gen_node``), its own ports and temp dir. The cluster token reaches
+them, and the ``ray job`` client, through ``RAY_AUTH_MODE=token`` + ``RAY_AUTH_TOKEN``. The job
+is the real console script, shipped with ``--working-dir``, its generator pinned to
+``gen_node``. Teardown stops only what this test started: SIGTERM to each ``ray start --block``
+process (which shuts down the gcs, raylet, dashboard and agents it spawned), then any process
+still carrying a node's marker in its environment.
 """
 
 from __future__ import annotations
@@ -68,18 +71,25 @@ def _tagged_pids(tag: str) -> list[int]:
     return pids
 
 
+WORKER_IP = "127.0.0.20"  # a second node of the test cluster, as `ray start --address` starts one on another machine
+
+
 class Head:
-    def __init__(self):
+    def __init__(self, join: "Head | None" = None):
+        """The head node, or with ``join`` a worker node of that head's cluster (its own address
+        ``WORKER_IP``, ports, marker and a custom resource ``gen_node``; the head's token and HOME)."""
         self.tmp = Path(tempfile.mkdtemp(prefix="prj", dir="/tmp"))  # short: unix socket paths
-        self.home = self.tmp / "home"
-        self.home.mkdir()
+        self.home = join.home if join else self.tmp / "home"
+        self.home.mkdir(exist_ok=True)
         self.tag = secrets.token_hex(8)
-        self.token = secrets.token_hex(32)
+        self.token = join.token if join else secrets.token_hex(32)
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         env.update({
             "HOME": str(self.home),
             "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token,
-            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # Linux: keep every address on 127.0.0.1
+            # multi-node (Linux's default, said for clarity): with 0 the head would bind loopback only and
+            # `ray start --address` refuse to join ("multi-node ... not supported")
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",
             "RAY_USAGE_STATS_ENABLED": "0",
             "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",  # the job finds `prorl-async`
             "PRORL_RAY_JOB_TEST": self.tag,
@@ -88,18 +98,25 @@ class Head:
         self.env = env
         lo = _free_block(64 + 10)  # 64 worker ports, then one port per component
         port = iter(range(lo + 64, lo + 74))
-        self.dashboard_port = next(port)
-        self.cmd = [
-            str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-            f"--port={next(port)}", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
-            f"--ray-client-server-port={next(port)}", f"--node-manager-port={next(port)}",
-            f"--object-manager-port={next(port)}", f"--min-worker-port={lo}", f"--max-worker-port={lo + 63}",
-            f"--dashboard-agent-listen-port={next(port)}", f"--dashboard-agent-grpc-port={next(port)}",
-            f"--metrics-export-port={next(port)}", f"--runtime-env-agent-port={next(port)}",
-            f"--temp-dir={self.tmp / 'r'}", "--num-cpus=4", "--num-gpus=0", "--include-dashboard=true",
-            "--disable-usage-stats",
-        ]
-        self.address = f"http://127.0.0.1:{self.dashboard_port}"
+        self.dashboard_port, self.gcs_port = next(port), next(port)
+        own = [f"--node-manager-port={next(port)}", f"--object-manager-port={next(port)}",
+               f"--min-worker-port={lo}", f"--max-worker-port={lo + 63}",
+               f"--dashboard-agent-listen-port={next(port)}", f"--dashboard-agent-grpc-port={next(port)}",
+               f"--metrics-export-port={next(port)}", f"--runtime-env-agent-port={next(port)}",
+               "--num-gpus=0", "--disable-usage-stats"]
+        if join is None:
+            self.cmd = [
+                str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+                f"--port={self.gcs_port}", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
+                f"--ray-client-server-port={next(port)}", *own,
+                f"--temp-dir={self.tmp / 'r'}", "--num-cpus=4", "--include-dashboard=true"]
+            self.address = f"http://127.0.0.1:{self.dashboard_port}"
+        else:  # the walkthrough's second command (docs/cluster.md, "On one machine")
+            self.cmd = [str(BIN / "ray"), "start", f"--address=127.0.0.1:{join.gcs_port}", "--block",
+                        f"--node-ip-address={WORKER_IP}", *own, "--num-cpus=1", '--resources={"gen_node": 1}',
+                        f"--temp-dir={self.tmp / 'r'}"]  # its own: two nodes of one host must not share one
+            self.address = join.address
+        self.joins = join
         self.proc = None
 
     def start(self, timeout: float = 180) -> None:
@@ -111,11 +128,19 @@ class Head:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"ray start exited {self.proc.returncode}:\n{(self.tmp / 'head.log').read_text()}")
             try:
-                self.api("/api/jobs/")
-                return
+                if self.joins is None:
+                    self.api("/api/jobs/")
+                    return
+                if any(n.get("node_ip") == WORKER_IP and n.get("state") == "ALIVE" for n in self.nodes()):
+                    return
             except (urllib.error.URLError, ConnectionError, OSError):
-                time.sleep(1)
+                pass
+            time.sleep(1)
         raise RuntimeError(f"head did not come up in {timeout}s:\n{(self.tmp / 'head.log').read_text()}")
+
+    def nodes(self) -> list[dict]:
+        """The cluster's nodes as Ray's state API lists them."""
+        return self.api("/api/v0/nodes?limit=100")["data"]["result"]["result"]
 
     def api(self, path: str, token: bool = True):
         req = urllib.request.Request(self.address + path)
@@ -161,14 +186,20 @@ class Head:
 
 @pytest.fixture(scope="module")
 def head():
+    """A head, and a second node joined to it with a custom resource (docs/cluster.md, "On one machine")."""
     h = Head()
+    w = None
     try:
         h.start()
+        w = Head(join=h)
+        w.start()
         yield h
     finally:
-        killed = h.stop()
-        shutil.rmtree(h.tmp, ignore_errors=True)
-        assert not _tagged_pids(h.tag), "processes of the test cluster survived SIGKILL"
+        killed = (w.stop() if w is not None else []) + h.stop()
+        for node in (w, h):
+            if node is not None:
+                shutil.rmtree(node.tmp, ignore_errors=True)
+        assert not any(_tagged_pids(n.tag) for n in (w, h) if n is not None), "processes of the test cluster survived SIGKILL"
         assert not killed, f"processes still running 30 s after the head stopped: {killed}"
 
 
@@ -207,7 +238,8 @@ def test_submit_short_training_job(head):
         "train.total_steps=3", "train.prompts_per_step=8", "rollout.n=4", "train.eval_interval=0",
         "model.warmup_steps=100", "algo.max_refill_rounds=0",  # a weakly warmed model: no refill bound
         "ray.omp_wait_policy=passive",  # the actors' own runtime env merges with the job's working dir
-            "data.eval=builtin:arithmetic?n=16&seed=2&split=eval",  # shlex-quoted by ray
+        "data.eval=builtin:arithmetic?n=16&seed=2&split=eval",  # shlex-quoted by ray
+        "rollout.generator_resources={gen_node: 1}",  # on the second node, as the walkthrough says
     )
     assert res.returncode == 0, res.stdout + res.stderr
     status = _wait_job(head, job_id, timeout=420)
@@ -219,6 +251,11 @@ def test_submit_short_training_job(head):
         assert f"step    {step}/3" in logs.stdout, logs.stdout[-4000:]
     assert "done: 3 steps" in logs.stdout
     assert f"run directory: {run_dir}" in logs.stdout
+    # the generator on the node that holds gen_node, its gloo bound there; the buffer on the driver's node, the head
+    (line,) = [x for x in logs.stdout.splitlines() if x.startswith("actors: ")]
+    (head_ip,) = [n["node_ip"] for n in head.nodes() if n["is_head_node"]]
+    assert head_ip != WORKER_IP and line.startswith(f"actors: generator-0 on {WORKER_IP} (gloo {WORKER_IP}); "), line
+    assert f"; buffer on {head_ip};" in line, (head_ip, line)
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3
