@@ -172,6 +172,21 @@ def tiny_model(model_cache):
     return str(build_tiny_arith(ModelConfig(cache_dir=model_cache, warmup_steps=200), log=lambda *_: None))
 
 
+def nudged_model(path: str, scale: float = 0.05, seed: int = 0):
+    """The model at ``path`` (fp32) with every parameter moved by ``scale`` x N(0, 1) noise (seeded):
+    the weights a learner would send after some updates, unlike the engines' own."""
+    import torch
+
+    from prorl_async.models import load_model
+
+    model = load_model(path, "float32")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn_like(p))
+    return model
+
+
 @pytest.fixture(scope="session")
 def smollm2_model(model_cache):
     """builtin:smollm2-135m-instruct converted once per session (needs `bash setup.sh smollm2`)."""

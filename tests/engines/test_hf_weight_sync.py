@@ -7,24 +7,18 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 
 from prorl_async.engines.base import SamplingSpec
 from prorl_async.weight_ipc import IpcWeightSender
 from prorl_async.weight_sync import WeightSyncError, WeightSyncGroup, free_port, tensor_checksum
 
+from tests.conftest import nudged_model
+
 BAD = [("nan", float("nan")), ("inf", float("inf")), ("-inf", float("-inf"))]
 
 
 def _learner(tiny_model):
-    from prorl_async.models import load_model
-
-    learner = load_model(tiny_model, "float32")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in learner.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return [(n, p.detach()) for n, p in learner.named_parameters()]
+    return [(n, p.detach()) for n, p in nudged_model(tiny_model).named_parameters()]
 
 
 def _poisoned(named, value):

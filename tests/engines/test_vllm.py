@@ -18,6 +18,8 @@ from prorl_async.engines.base import SamplingSpec  # noqa: E402
 from prorl_async.engines.vllm_worker import LAYERWISE_LOGGER  # noqa: E402
 from prorl_async.weight_sync import WeightSyncError, WeightSyncGroup, free_port, tensor_checksum  # noqa: E402
 
+from tests.conftest import nudged_model  # noqa: E402
+
 PROMPTS = ["12+7=", "3*4=", "(5-2)*3=", "9+9=", "40-13=", "6*7="]
 LOGPROB_TOL = 1e-4  # fp32 on CPU: engine vs learner logprobs of the same tokens
 
@@ -142,15 +144,9 @@ def test_a_sync_before_the_worker_joined_a_group_is_one_clear_error(engines):
 
 
 def test_weight_sync_into_vllm_worker_over_gloo(engines, tiny_model):
-    from prorl_async.models import load_model
-
     v, h = engines
     port = free_port()
-    learner = load_model(tiny_model, "float32")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in learner.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    learner = nudged_model(tiny_model)
     sender = {}
 
     def learner_side():

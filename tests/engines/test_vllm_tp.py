@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 from prorl_async.engines.base import SamplingSpec  # noqa: E402
 from prorl_async.weight_sync import WeightSyncGroup, free_port, tensor_checksum  # noqa: E402
 
-from tests.conftest import environ_restored  # noqa: E402
+from tests.conftest import environ_restored, nudged_model  # noqa: E402
 
 PROMPTS = ["12+7=", "3*4=", "(5-2)*3=", "9+9=", "40-13=", "6*7="]
 LOGPROB_TOL = 1e-4  # fp32 on CPU, as tests/engines/test_vllm.py
@@ -30,13 +30,8 @@ TP = 2
 def test_a_tp2_engine_receives_an_update_and_matches_the_learner(tiny_model):
     from prorl_async.engines.hf import HFEngine
     from prorl_async.engines.vllm import VLLMEngine
-    from prorl_async.models import load_model
 
-    learner = load_model(tiny_model, "float32")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in learner.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    learner = nudged_model(tiny_model)
     named = [(n, p.detach()) for n, p in learner.named_parameters()]
     with environ_restored():
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
