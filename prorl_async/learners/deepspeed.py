@@ -31,7 +31,6 @@ class owns only what DeepSpeed owns:
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import sys
@@ -45,7 +44,7 @@ import torch.distributed as dist
 from prorl_async.learners import host_memory
 from prorl_async.learners.core import LearnerCore, algo_state
 from prorl_async.learners.files import write_deepspeed_learner
-from prorl_async.machine import cpu_has_bf16
+from prorl_async.machine import cpu_has_bf16, scoped_env
 from prorl_async.models import load_model
 from prorl_async.weight_sync import STORE_TIMEOUT, free_port
 
@@ -60,24 +59,6 @@ def _base_optimizer(opt) -> torch.optim.Optimizer:
         raise TypeError(f"DeepSpeed's optimizer {type(wrapper).__name__} wraps no torch.optim.Optimizer "
                         f"(ended at {type(opt).__name__}); hand deepspeed.initialize a torch optimizer")
     return opt
-
-
-@contextlib.contextmanager
-def scoped_env(values: dict[str, str]):
-    """``values`` in ``os.environ`` inside the block, the caller's environment restored after it:
-    torch.distributed's ``env://`` rendezvous and DeepSpeed read these variables while the world
-    and the engine are built, and an in-process learner must not hand them on to every process
-    its caller starts later (a subprocess would join a world that is not its own)."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def ensure_process_group(rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1",
