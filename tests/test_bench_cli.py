@@ -53,7 +53,7 @@ def test_bench_unknown_name_is_one_error_line(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         "error: --only: unknown benchmark 'learnr'; choose from weight_sync, learner, learner_packing, "
-        "learner_smollm2, generation, buffer, rollout_transport, e2e"]
+        "learner_smollm2, generation, decode_limit, buffer, rollout_transport, e2e"]
     assert not (tmp_path / "bench_summary.json").exists()
 
 

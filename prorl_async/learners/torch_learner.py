@@ -6,7 +6,9 @@ learner; this class owns what plain torch does: the model on one device, AdamW w
 gradient clipping (a non-finite gradient norm skips the update), the LR schedule, the
 reference copy, and its checkpoint state. The same class runs on CPU and CUDA.
 
-Precision (``model.autocast_bf16`` on a GPU or a CPU with AMX / AVX-512 bf16): with
+Precision: the learner computes in bf16 when the policy's dtype is bf16 (``model.dtype:
+bfloat16``, or ``auto`` on a GPU or a CPU with AMX / AVX-512 bf16, the engines generating in
+bf16 too), or when ``model.autocast_bf16`` asks for it on such hardware with fp32 engines. With
 ``model.bf16_params`` (the default) the standard mixed-precision recipe (Micikevicius et al.
 2018, "Mixed Precision Training", arXiv:1710.03740, with bf16 instead of fp16 so without loss
 scaling; as FSDP's ``param_dtype=bf16`` in verl / OpenRLHF): the module's parameters are bf16
@@ -19,7 +21,8 @@ engines (:meth:`TorchLearner.named_tensors`) and checkpoints — are the fp32 ma
 converts to the engine's dtype. Deviation from autocast: activations, the residual stream
 included, are bf16 (autocast kept the residual stream fp32); the loss and gradients agree to
 bf16 tolerance (tests/learners/test_bf16_params.py). ``model.bf16_params=false`` keeps fp32
-parameters under a bf16 autocast per forward; without bf16 hardware the learner is fp32.
+parameters under a bf16 autocast per forward. Without bf16 hardware ``autocast_bf16`` leaves
+the learner fp32; an explicit ``model.dtype: bfloat16`` does not.
 AdamW runs fused (one pass per tensor) where torch has the kernel (CPU, CUDA).
 """
 
@@ -38,7 +41,7 @@ from prorl_async.learners.core import LearnerCore, algo_state
 from prorl_async.learners.files import read_learner, write_torch_learner
 from prorl_async.machine import cpu_has_bf16
 from prorl_async.learners.update_guard import UpdateGuard
-from prorl_async.models import load_model
+from prorl_async.models import load_model, machine_dtype
 
 
 
@@ -51,12 +54,15 @@ class TorchLearner:
         # large temporaries reuse freed heap memory instead of fresh pages (learners/host_memory.py)
         self.reuses_freed_memory = host_memory.configure(cfg.train.reuse_freed_memory, self.device)
         torch.manual_seed(cfg.train.seed)
-        self.model = load_model(model_path, cfg.model.dtype).to(self.device)
+        # bf16 compute: the policy's dtype is bf16 (the engines generate in it), or the learner alone
+        # asks for it where the hardware has bf16; the weights then load in fp32 so the masters start exact
+        self.autocast = (machine_dtype(cfg.model.dtype, device) == "bfloat16"
+                         or cfg.model.autocast_bf16 and (self.device.type == "cuda" or cpu_has_bf16()))
+        self.model = load_model(model_path, "float32" if self.autocast else cfg.model.dtype).to(self.device)
         self.model.config.use_cache = False
         self.model.train()
         self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
         a, t = cfg.algo, cfg.train
-        self.autocast = cfg.model.autocast_bf16 and (self.device.type == "cuda" or cpu_has_bf16())
         # bf16 parameters for compute, fp32 masters in AdamW (module docstring); else the module's own
         self.masters = _Bf16Masters(self.model) if self.autocast and cfg.model.bf16_params else None
         self.use_ref = a.kl_coef > 0 or a.ref_reset_interval > 0

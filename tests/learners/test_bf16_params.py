@@ -85,6 +85,26 @@ def test_bf16_params_layout(bf16_cpu, tiny_model):
     assert {p.dtype for p in old.model.parameters()} == {torch.float32}
 
 
+def test_policy_dtype_bf16_alone_gives_the_bf16_learner_with_exact_fp32_masters(tiny_model):
+    """``model.dtype: bfloat16`` (what ``auto`` resolves to on bf16 hardware: the engines generate
+    in bf16) without ``autocast_bf16``: bf16 parameters over fp32 masters, no bf16 AdamW state,
+    on any CPU; the masters are the checkpoint's fp32 weights, not a bf16 rounding of them."""
+    learner = TorchLearner(_cfg(tiny_model, "fp32", "model.dtype=bfloat16", "model.bf16_params=true"), tiny_model)
+    assert learner.autocast and learner.masters is not None
+    assert {p.dtype for p in learner.model.parameters()} == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in _opt_params(learner))
+    fp32 = TorchLearner(_cfg(tiny_model, "fp32"), tiny_model)
+    assert fp32.masters is None and {p.dtype for p in fp32.model.parameters()} == {torch.float32}
+    exact = dict(fp32.named_tensors())
+    masters = dict(learner.named_tensors())
+    assert masters.keys() == exact.keys()
+    assert all(torch.equal(masters[n], exact[n]) for n in exact)
+    assert any(not torch.equal(t.bfloat16().float(), t) for t in exact.values())  # bf16 would have rounded them
+    # bf16_params=false: fp32 parameters under autocast, as with autocast_bf16
+    ac = TorchLearner(_cfg(tiny_model, "fp32", "model.dtype=bfloat16", "model.bf16_params=false"), tiny_model)
+    assert ac.autocast and ac.masters is None and {p.dtype for p in ac.model.parameters()} == {torch.float32}
+
+
 def _one_update(model, precision, table, *over):
     learner = TorchLearner(_cfg(model, precision, *over), model)
     before = _flat(t for _, t in learner.named_tensors()).clone()
