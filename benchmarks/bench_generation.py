@@ -316,19 +316,27 @@ def main() -> None:
                 one = SamplingSpec(n=args.n, temperature=args.temperature, max_new_tokens=1)
                 r["prefill_s"] = run_engine(eng, prompts, one, args.repeats)["seconds"]
                 seqs = len(prompts) * args.n
-                r["decode_tok_s"] = (r["tokens"] - seqs) / max(r["seconds"] - r["prefill_s"], 1e-9)
+                decode_s = r["seconds"] - r["prefill_s"]
                 r["peak_gflops"] = peaks[dtype] / 1e9
                 r["limit_tok_s"] = peaks[dtype] / (2 * params)
-                r["limit_frac"] = r["decode_tok_s"] / r["limit_tok_s"]
                 r["linear_tok_s"] = lin[dtype]
-                r["linear_frac"] = r["decode_tok_s"] / lin[dtype]
+                if decode_s > 0.1 * r["seconds"] and r["tokens"] > seqs:
+                    r["decode_tok_s"] = (r["tokens"] - seqs) / decode_s
+                    r["limit_frac"] = r["decode_tok_s"] / r["limit_tok_s"]
+                    r["linear_frac"] = r["decode_tok_s"] / lin[dtype]
+                else:  # a busy machine: the one-token request took (nearly) as long as the whole one
+                    r["decode_tok_s"] = r["limit_frac"] = r["linear_frac"] = None
+                    r["decode_note"] = (f"not measured: the one-token request took {r['prefill_s']:.2f} s of the "
+                                        f"{r['seconds']:.2f} s request; rerun on a quiet machine or with more "
+                                        "--max-new-tokens")
             rows.append({"model": name, "params_m": params / 1e6, "engine": kind.split("-")[0], "dtype": dtype,
                          "batch": args.prompts * args.n,
                          "core": kind.split("-")[1] if "-" in kind else "", "start_s": start, "max_new": max_new, **r})
             print(f"  {name} {kind} {dtype}: {r['tok_s']:.0f} tok/s"
                   + (f"; decode alone {r['decode_tok_s']:.0f} tok/s = {r['limit_frac']:.1%} of the {r['limit_tok_s']:.0f} tok/s compute limit "
                      f"(2N FLOPs/token at {r['peak_gflops']:.0f} GFLOP/s); its linear layers alone at this batch "
-                     f"{r['linear_tok_s']:.0f} tok/s" if "limit_frac" in r else "")
+                     f"{r['linear_tok_s']:.0f} tok/s" if r.get("limit_frac") is not None else "")
+                  + (f"; decode {r['decode_note']}" if r.get("decode_note") else "")
                   + (f"; beside a learner {r['contended_tok_s']:.0f} tok/s, learner at "
                      f"{r['contended_learner_frac']:.0%}" if learner_rate else ""), flush=True)
             if kind != "hf":
