@@ -33,8 +33,8 @@ prompts through its chat template (``smollm2``; needs ``bash setup.sh smollm2``)
   ``decode_tok_s`` = (tokens - sequences) / (seconds - that) — next to the compute limit of this CPU for that model in its dtype, ``2·N`` FLOPs
   per generated token (N = the parameters, the tied LM head counted once: every token multiplies
   through every weight once) over the torch.mm peak of that dtype measured in this process on the
-  engines' ``--threads``, and ``limit_frac`` = tokens/s over that limit. The limit leaves out
-  attention over the context, the prompt's prefill and the sampler, so a real engine stays below it.
+  engines' ``--threads``, and ``limit_frac`` = decode tokens/s over that limit. The limit leaves
+  out attention over the context and the sampler, so a real engine stays below it.
   Where the rest goes, first part: ``linear_tok_s`` times the model's own linear layers (the
   tied LM head included) at the decode's shapes, ``batch`` rows against each weight in the
   dtype, as one decode step's matmuls and nothing else (best of 20): ``linear_tok_s /
@@ -369,14 +369,13 @@ def main() -> None:
         cols += [("contended_tok_s", "tok/s + learner", "{:.0f}"), ("contended_tok_frac", "of alone", "{:.0%}"),
                  ("contended_learner_frac", "learner speed", "{:.0%}"), ("contended_cpu_per_wall", "CPU s/s", "{:.2f}")]
     print(table(rows, cols))
-    rows_timed = [r for r in rows if "tok_s" in r]
     payload.update({"machine": machine(), "args": vars(args), "prompts": args.prompts, "n": args.n,
                     "matmul_peak_gflops": {d: v / 1e9 for d, v in peaks.items()},
                     "temperature": args.temperature, "learner_alone_matmul_s": learner_rate, "rows": rows})
     print("wrote", write_json(args.json_name, payload))
     pyplot = plt()
     fig, ax = pyplot.subplots(figsize=(6, 4))
-    rows = rows_timed
+    rows = [r for r in rows if "tok_s" in r]  # the plot leaves out rows skipped for want of bf16
     models = list(dict.fromkeys(r["model"] for r in rows))
     kinds = list(dict.fromkeys((r["engine"], r["core"], r["dtype"]) for r in rows))
     w = 0.8 / len(kinds)

@@ -43,7 +43,7 @@ class ModelConfig:
     path: str = _f("builtin:tiny-arith", "HF model folder, or builtin:tiny-arith (a small Llama the project builds and warms up itself)")
     dtype: str = _f("float32", "compute dtype of the policy: float32, bfloat16, or auto = bfloat16 on CUDA or a CPU with AMX / AVX-512 bf16, else float32 (resolved when the config is loaded). The engines generate in it; with bfloat16 the torch learner holds bf16 parameters over fp32 master weights (model.bf16_params) and DeepSpeed runs its bf16 mode (fp32 masters of its own); weights leave the learner as fp32 masters")
     autocast_bf16: bool = _f(False, "learner forward/backward under bf16 autocast (CPU with AVX-512 bf16, or GPU); pays off from ~50M parameters")
-    bf16_params: bool = _f(True, "with autocast_bf16 on bf16 hardware, the torch learner holds its parameters and reference model in bf16 and fp32 master weights in AdamW (gradients summed in fp32, masters copied into the bf16 parameters once per update); false = fp32 parameters under bf16 autocast")
+    bf16_params: bool = _f(True, "with bf16 compute (model.dtype bfloat16, or autocast_bf16 on bf16 hardware), the torch learner holds its parameters and reference model in bf16 and fp32 master weights in AdamW (gradients summed in fp32, masters copied into the bf16 parameters once per update); false = fp32 parameters under bf16 autocast")
     cache_dir: str = _f("", "where built-in models are cached (default: $PRORL_ASYNC_CACHE or ~/.cache/prorl-async)")
     warmup_steps: int = _f(4000, "most supervised warm-up steps for the built-in model (0 = untrained)")
     warmup_lr: float = _f(1e-3, "learning rate of the built-in model's supervised warm-up")

@@ -55,10 +55,11 @@ class TorchLearner:
         self.reuses_freed_memory = host_memory.configure(cfg.train.reuse_freed_memory, self.device)
         torch.manual_seed(cfg.train.seed)
         # bf16 compute: the policy's dtype is bf16 (the engines generate in it), or the learner alone
-        # asks for it where the hardware has bf16; the weights then load in fp32 so the masters start exact
+        # asks for it where the hardware has bf16; the weights always load in fp32, so that the masters
+        # (or the fp32 parameters under autocast) start exact
         self.autocast = (machine_dtype(cfg.model.dtype, device) == "bfloat16"
                          or cfg.model.autocast_bf16 and (self.device.type == "cuda" or cpu_has_bf16()))
-        self.model = load_model(model_path, "float32" if self.autocast else cfg.model.dtype).to(self.device)
+        self.model = load_model(model_path, "float32").to(self.device)
         self.model.config.use_cache = False
         self.model.train()
         self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
