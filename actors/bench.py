@@ -254,8 +254,10 @@ def sum_generation(p: dict) -> list[dict]:
 
 def sum_decode_limit(p: dict) -> list[dict]:
     def detail(r):
-        if r.get("skipped") or r.get("decode_note"):
-            return f"skipped: {r['skipped']}" if r.get("skipped") else f"decode {r['decode_note']}"
+        if r.get("skipped"):
+            return f"skipped: {r['skipped']}"
+        if r.get("decode_note"):
+            return f"decode {r['decode_note']}"
         return _Fill().format("decode {decode_tok_s:.0f} of {limit_tok_s:.0f} tok/s: 2 x {params_m:.1f}M FLOPs per token at the "
                               "{peak_gflops:.0f} GFLOP/s torch.mm peak; the linear layers alone at this batch {linear_tok_s:.0f} "
                               "tok/s ({tokens} tokens in {seconds:.1f} s, of which {prefill_s:.2f} s prefill and one token)", **r)
