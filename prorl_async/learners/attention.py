@@ -208,8 +208,9 @@ def _flash_varlen_applies(q: torch.Tensor, dropout: float) -> bool:
 def _flash_varlen(query, key, value, cu: torch.Tensor, longest: Optional[int], scale: Optional[float],
                   groups: int) -> torch.Tensor:
     """Causal attention of the packed ``[1, heads, N, d]`` q/k/v in one varlen flash-attention
-    call, each sequence attending to itself; ``[N, heads, d]``. ``longest`` comes from the
-    caller (no device-to-host read per layer)."""
+    call, each sequence attending to itself; ``[1, N, heads, d]``, the shape the other branches
+    of :func:`varlen_sdpa_attention` return (shared prefixes index its dimension 1). ``longest``
+    comes from the caller (no device-to-host read per layer)."""
     fn, (causal, has_gqa) = _varlen_attn()
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [N, heads, d]
     kw = {"scale": scale, **causal}
@@ -221,7 +222,7 @@ def _flash_varlen(query, key, value, cu: torch.Tensor, longest: Optional[int], s
     if longest is None:
         longest = int((cu[1:] - cu[:-1]).max())
     cu = cu.to(device=q.device, dtype=torch.int32)
-    return fn(q, k, v, cu, cu, int(longest), int(longest), **kw)
+    return fn(q, k, v, cu, cu, int(longest), int(longest), **kw).unsqueeze(0)
 
 
 #: a bf16 / fp16 batch of at most this many attention scores (``B x groups x L x L``) on CPU runs as

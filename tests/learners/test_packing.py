@@ -245,6 +245,41 @@ def test_packed_equals_padded_on_a_random_llama(attn, share):
     print(f"{attn}: max |packed - padded| logprob = {err:.1e}")
 
 
+def _varlen_kernel_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window_size=None, enable_gqa=False):
+    """torch's varlen flash attention's contract on CPU (it runs on CUDA only): packed
+    ``[N, heads, d]`` q/k/v cut at ``cu_q``, causal, ``[N, heads, d]`` out."""
+    assert window_size == (-1, 0) and torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32
+    assert max_q == max_k == int((cu_q[1:] - cu_q[:-1]).max())
+    outs = [torch.nn.functional.scaled_dot_product_attention(*(x[s:e].transpose(0, 1) for x in (q, k, v)),
+                                                             is_causal=True, scale=scale, enable_gqa=enable_gqa)
+            for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist())]
+    return torch.cat(outs, 1).transpose(0, 1)
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["plain", "shared-prefixes"])
+def test_packed_equals_padded_through_the_gpu_varlen_branch(monkeypatch, share):
+    """The branch a bf16 GPU learner takes (torch's varlen flash attention, ``_flash_varlen``),
+    here with a CPU stand-in for the kernel: its output has the shape the other branches give,
+    so shared prefixes (each path's output taken back per packed position) and the layers after
+    it see the same tensor; logprobs and gradients equal the padded model's. The real kernel
+    runs in tests/test_gpu.py (a CUDA learner step with shared prefixes, the default)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from prorl_async.learners import attention
+
+    calls = []
+    monkeypatch.setattr(attention, "_varlen_attn", lambda: (_varlen_kernel_stand_in, ({"window_size": (-1, 0)}, True)))
+    monkeypatch.setattr(attention, "_flash_varlen_applies", lambda q, p: calls.append(1) or not p)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=False, attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg)
+    table = graded_table(groups=5, n=3, seed=4, vocab=300, prompt_len=9, max_resp=20)
+    _compare(model, _with_shared_openings(table) if share else table, micro_batch_tokens=64, share=share)
+    assert calls, "the varlen branch was not reached"
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("lens", [[7, 1, 12, 5, 9], [40, 3, 2, 4, 1, 2]], ids=["one-bucket", "long-and-short"])
 def test_varlen_sdpa_equals_one_causal_attention_per_sequence(lens, dtype):
