@@ -61,6 +61,7 @@ def test_packed_attention_on_cuda_uses_varlen_flash_and_matches_each_sequence_al
         monkeypatch.setattr(attention, "TORCH_VARLEN", varlen)
         q, k, v = (x.to(torch.bfloat16).requires_grad_() for x in base)
         out, _ = attention.varlen_sdpa_attention(module, q, k, v, None, cu_seq_lens_q=cu, max_length_q=max(lens))
+        assert out.shape == (1, n, heads, d)  # as HF's sdpa function returns it (shared prefixes index dim 1)
         out.float().mul(g_out).sum().backward()
         return out.float(), [x.grad.float() for x in (q, k, v)]
 
@@ -93,7 +94,7 @@ def test_compiled_learner_on_cuda_matches_the_eager_learner(tiny_model):
     from prorl_async.learners.torch_learner import TorchLearner
 
     base = ["model.autocast_bf16=true", "train.mini_batches=1", "train.prompts_per_step=4", "rollout.n=4",
-            "train.micro_batch_tokens=256", "algo.kl_coef=0.01", "train.lr=1e-3"]
+            "train.micro_batch_tokens=256", "algo.kl_coef=0.01", "train.lr=1e-4"]
     batches = [graded_table(groups=4, n=4, seed=s) for s in (0, 1)]
     runs = {}
     for mode in ("auto", "never"):
@@ -104,8 +105,8 @@ def test_compiled_learner_on_cuda_matches_the_eager_learner(tiny_model):
         assert all(compiled) if mode == "auto" else not any(compiled)
         runs[mode] = [learner.train_step(b) for b in batches]
         del learner
-    for got, want in zip(runs["auto"], runs["never"]):
-        for k in ("actor/pg_loss", "actor/grad_norm", "kl/loss_term", "mismatch/logprob_abs_diff_mean"):
+    for got, want in zip(runs["auto"], runs["never"]):  # all_: batch 2 is behind the learner (no current tokens)
+        for k in ("actor/pg_loss", "actor/grad_norm", "kl/loss_term", "mismatch/all_logprob_abs_diff_mean"):
             assert math.isfinite(got[k]) and abs(got[k] - want[k]) <= 2e-2 * max(1.0, abs(want[k])), (k, got[k], want[k])
     assert runs["auto"][1]["kl/loss_term"] > 0  # the second step's policy has moved from the reference
 
