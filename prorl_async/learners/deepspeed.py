@@ -197,7 +197,9 @@ class DeepSpeedLearner:
     def train_step(self, table: pa.Table, step: Optional[int] = None) -> dict:
         """One update on this rank's share of the groups; every rank must call it together."""
         self.engine.train()
-        return self.core.learner_step(table, step, stats_reduce=self._allreduce)
+        metrics = self.core.learner_step(table, step, stats_reduce=self._allreduce)
+        metrics.update(host_memory.bound_free_heap())  # a kept heap's free pages back above 2 GiB
+        return metrics
 
     # ------------------------------------------------------------------ reference, weights
     def _full_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:

@@ -128,7 +128,9 @@ class TorchLearner:
 
     # ------------------------------------------------------------------ one step
     def train_step(self, table: pa.Table, step: Optional[int] = None) -> dict:
-        return self.core.learner_step(table, step)
+        metrics = self.core.learner_step(table, step)
+        metrics.update(host_memory.bound_free_heap())  # a kept heap's free pages back above 2 GiB
+        return metrics
 
     # ------------------------------------------------------------------ reference, weights
     def ledger_rows(self) -> Optional[pa.Table]:
