@@ -143,9 +143,12 @@ class TrainConfig:
     compile: str = _f("auto", "torch.compile the learner's decoder layers and its chunked LM head: auto (on a CUDA "
                       "learner; off on CPU), always, or never")
     reuse_freed_memory: str = _f("auto", "the learner process's malloc keeps freed large blocks for reuse instead of "
-                                 "unmapping them (each fresh block is paid again in page faults), up to 2 GiB "
-                                 "resident beyond what is in use at a step's end: auto (on a CPU learner), "
-                                 "always, or never")
+                                 "unmapping them (each fresh block is paid again in page faults): auto (on a CPU "
+                                 "learner), always, or never")
+    reuse_freed_memory_gb: float = _f(6.0, "with train.reuse_freed_memory: at most this many GB resident beyond what "
+                                      "the heap has in use at a step's end; above it the heap's free pages go back "
+                                      "to the OS (0: after every step, flat memory at the cost of faulting each "
+                                      "step's temporaries in again)")
     ppo_epochs: int = _f(1, "passes over each batch")
     seed: int = _f(0, "seed of the learner and of python/numpy/torch RNGs")
     eval_interval: int = _f(40, "evaluate on the held-out split every N steps (0 = only before/after)")

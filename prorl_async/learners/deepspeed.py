@@ -198,7 +198,7 @@ class DeepSpeedLearner:
         """One update on this rank's share of the groups; every rank must call it together."""
         self.engine.train()
         metrics = self.core.learner_step(table, step, stats_reduce=self._allreduce)
-        metrics.update(host_memory.bound_free_heap())  # a kept heap's free pages back above 2 GiB
+        metrics.update(host_memory.bound_free_heap(self.cfg.train.reuse_freed_memory_gb))
         return metrics
 
     # ------------------------------------------------------------------ reference, weights

@@ -19,7 +19,8 @@ a different shape every step the fragmentation does not settle: in a SmolLM2 bf1
 memory free inside the heap went 1.7 -> 5.2 GB over 20 steps while what was in use stayed
 2.9-3.2 GB, and a 250-step run's learner grew 5.7 -> 14.6 GB. So after each step
 (:func:`bound_free_heap`) the heap's free pages go back to the OS once the resident memory
-beyond what is in use passes :data:`KEEP_BYTES`; the next step faults those pages in again. Only the
+beyond what is in use passes ``train.reuse_freed_memory_gb``; the next step faults those pages
+in again (handing back after every step cost that run's learner 26% of its tokens/s). Only the
 calling process changes (a CPU learner's actor; each rank of a learner group sets its own);
 a GPU learner's tensors are not host memory and it keeps the default. Values:
 :data:`prorl_async.config.REUSE_FREED_MEMORY_CHOICES`.
@@ -39,7 +40,7 @@ from prorl_async import machine
 M_TRIM_THRESHOLD = -1  # glibc malloc.h
 M_MMAP_MAX = -4
 DEFAULT_MMAP_MAX, DEFAULT_TRIM_THRESHOLD = 65536, 128 * 1024  # glibc's defaults
-KEEP_BYTES = 2**31 - 1  # trim threshold (the heap's top back only above 2 GiB free), and bound_free_heap's limit
+KEEP_BYTES = 2**31 - 1  # trim threshold: hand the heap's top back only above 2 GiB free
 
 
 def reuse_applies(setting: str, device) -> bool:
@@ -104,9 +105,9 @@ def resident_bytes() -> Optional[int]:
         return None
 
 
-def bound_free_heap(limit: int = KEEP_BYTES) -> dict[str, float]:
+def bound_free_heap(limit_gb: float) -> dict[str, float]:
     """A learner step's end in a process that keeps freed blocks (:func:`reuse_freed_memory`):
-    when the resident memory beyond what the heap has in use passes ``limit`` bytes (what is
+    when the resident memory beyond what the heap has in use passes ``limit_gb`` (what is
     kept free for reuse, plus the process's code and other mappings), the heap's free pages go
     back to the OS (``malloc_trim(0)``: also those below blocks still in use, which the trim
     threshold never reaches). Metrics: ``memory/rss_gb``, ``memory/heap_in_use_gb`` (both before
@@ -116,7 +117,7 @@ def bound_free_heap(limit: int = KEEP_BYTES) -> dict[str, float]:
     rss = resident_bytes() if usage is not None else None
     if usage is None or rss is None:
         return {}
-    trimmed = rss - usage[0] > limit and machine.release_freed_heap()
+    trimmed = rss - usage[0] > limit_gb * 1e9 and machine.release_freed_heap()
     return {"memory/rss_gb": rss / 1e9, "memory/heap_in_use_gb": usage[0] / 1e9, "memory/heap_trimmed": float(trimmed)}
 
 
