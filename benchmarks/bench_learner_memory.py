@@ -62,7 +62,7 @@ def run_arm(arm: str, steps: int, overrides: list[str]) -> list[dict]:
         in_use, free = host_memory.heap_bytes()
         row = {"arm": arm, "step": step, "step_s": dt, "rss_gb": host_memory.resident_bytes() / 1e9,
                "in_use_gb": in_use / 1e9, "free_in_heap_gb": free / 1e9,
-               "trimmed": metrics.get("memory/heap_trimmed", 0.0)}
+               "trimmed": metrics.get("perf/heap_trimmed", 0.0)}
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -88,7 +88,8 @@ def main(argv=None) -> dict:
         got = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
         for r in got:
             print(f"{arm:9s} step {r['step']:3d} {r['step_s']:5.1f}s rss {r['rss_gb']:5.2f} GB in use "
-                  f"{r['in_use_gb']:5.2f} free in heap {r['free_in_heap_gb']:5.2f} trimmed {r['trimmed']:.0f}", flush=True)
+                  f"{r['in_use_gb']:5.2f} free in heap {r['free_in_heap_gb']:5.2f} trimmed {r['trimmed']:.0f}",
+                  flush=True)
         rows += got
     summary = []
     for arm in args.arms.split(","):

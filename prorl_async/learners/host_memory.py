@@ -20,7 +20,8 @@ memory free inside the heap went 1.7 -> 5.2 GB over 20 steps while what was in u
 2.9-3.2 GB, and a 250-step run's learner grew 5.7 -> 14.6 GB. So after each step
 (:func:`bound_free_heap`) the heap's free pages go back to the OS once the resident memory
 beyond what is in use passes ``train.reuse_freed_memory_gb``; the next step faults those pages
-in again (handing back after every step cost that run's learner 26% of its tokens/s). Only the
+in again (after every step: 5% of a SmolLM2 learner's time alone on the AMD machine,
+benchmarks/bench_learner_memory.py). Only the
 calling process changes (a CPU learner's actor; each rank of a learner group sets its own);
 a GPU learner's tensors are not host memory and it keeps the default. Values:
 :data:`prorl_async.config.REUSE_FREED_MEMORY_CHOICES`.
@@ -110,15 +111,16 @@ def bound_free_heap(limit_gb: float) -> dict[str, float]:
     when the resident memory beyond what the heap has in use passes ``limit_gb`` (what is
     kept free for reuse, plus the process's code and other mappings), the heap's free pages go
     back to the OS (``malloc_trim(0)``: also those below blocks still in use, which the trim
-    threshold never reaches). Metrics: ``memory/rss_gb``, ``memory/heap_in_use_gb`` (both before
-    a trim) and ``memory/heap_trimmed`` (1 when this step's end trimmed); none where nothing is
+    threshold never reaches). Metrics (``perf/``: measurements of the machine, which a resumed or
+    replayed step does not reproduce): ``perf/heap_rss_gb``, ``perf/heap_in_use_gb`` (both before
+    a trim) and ``perf/heap_trimmed`` (1 when this step's end trimmed); none where nothing is
     kept or the C library cannot say."""
     usage = heap_bytes() if _applied else None
     rss = resident_bytes() if usage is not None else None
     if usage is None or rss is None:
         return {}
     trimmed = rss - usage[0] > limit_gb * 1e9 and machine.release_freed_heap()
-    return {"memory/rss_gb": rss / 1e9, "memory/heap_in_use_gb": usage[0] / 1e9, "memory/heap_trimmed": float(trimmed)}
+    return {"perf/heap_rss_gb": rss / 1e9, "perf/heap_in_use_gb": usage[0] / 1e9, "perf/heap_trimmed": float(trimmed)}
 
 
 def restore_default() -> None:

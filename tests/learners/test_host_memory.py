@@ -89,7 +89,7 @@ _BOUND_PROBE = textwrap.dedent("""
     before = host_memory.resident_bytes()
     steps = [learner.train_step(graded_table(groups=4, n=4, seed=s)) for s in (0, 1)]
     print(json.dumps({"before": before, "after": host_memory.resident_bytes(),
-                      "steps": [{k: v for k, v in m.items() if k.startswith("memory/")} for m in steps]}))
+                      "steps": [{k: v for k, v in m.items() if k.startswith("perf/heap_")} for m in steps]}))
 """)
 
 
@@ -108,9 +108,9 @@ def test_a_learner_step_hands_back_kept_memory_above_its_bound_and_reports_it(ti
     it frees (no trim). A learner that keeps nothing (``never``) reports nothing."""
     seen = _bound_probe(tiny_model, "auto")
     first, second = seen["steps"]
-    assert first["memory/heap_trimmed"] == 1.0 and second["memory/heap_trimmed"] == 0.0, seen
-    assert first["memory/rss_gb"] - first["memory/heap_in_use_gb"] > 2, seen
+    assert first["perf/heap_trimmed"] == 1.0 and second["perf/heap_trimmed"] == 0.0, seen
+    assert first["perf/heap_rss_gb"] - first["perf/heap_in_use_gb"] > 2, seen
     assert seen["before"] - seen["after"] > 2 * 2**30, seen  # the 2.5 GiB went back to the OS
-    assert 0 < second["memory/heap_in_use_gb"] < second["memory/rss_gb"] < first["memory/rss_gb"], seen
+    assert 0 < second["perf/heap_in_use_gb"] < second["perf/heap_rss_gb"] < first["perf/heap_rss_gb"], seen
     never = _bound_probe(tiny_model, "never")
     assert never["steps"] == [{}, {}], never
