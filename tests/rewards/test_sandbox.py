@@ -6,6 +6,7 @@ keeps the SandboxRun, whose session id and uid are then looked up in this machin
 
 import os
 import socket
+import time
 
 import pytest
 
@@ -250,13 +251,23 @@ def test_none_isolation_still_limits_time_and_cleans_up():
                     SandboxLimits(time_limit_s=0.5, total_time_s=1), isolation="none")
     assert run.cases[0].status == "timeout"
     assert leftover_processes(run.session_id) == []
-    # the setsid'd child escaped the session but not the subreaper: no sleeping orphan of ours
-    orphans = []
-    for p in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = open(f"/proc/{p}/cmdline", "rb").read()
-        except OSError:
-            continue
-        if b"_sandbox_launcher.py" in cmd:
-            orphans.append(p)
-    assert orphans == []
+    # the setsid'd child escaped the session but not the subreaper: no sleeping orphan of ours.
+    # Under `pytest -n 2` the other worker's sandbox runs have launchers of their own, alive for a
+    # second or two each: an orphan of this run sleeps 600 s, so only a launcher process that is
+    # there throughout 5 s counts (CI saw a concurrent one once)
+    def launchers():
+        found = set()
+        for p in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmd = open(f"/proc/{p}/cmdline", "rb").read()
+            except OSError:
+                continue
+            if b"_sandbox_launcher.py" in cmd:
+                found.add(p)
+        return found
+
+    orphans, deadline = launchers(), time.monotonic() + 5
+    while orphans and time.monotonic() < deadline:
+        time.sleep(0.25)
+        orphans &= launchers()
+    assert orphans == set()
