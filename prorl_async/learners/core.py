@@ -61,6 +61,7 @@ from prorl_async.algo.losses import kl_penalty, policy_loss
 from prorl_async.algo.mismatch import mismatch_metrics, mismatch_stats
 from prorl_async.algo.reference import ReferenceResetPolicy
 from prorl_async.algo.shaping import LengthPenaltySchedule
+from prorl_async.learners import host_memory
 from prorl_async.learners.batch import learner_columns, prepare_batch
 from prorl_async.ledger import LEDGER_INPUTS, step_rows
 from prorl_async.learners.logprobs import packed_token_logprobs, padded_token_logprobs
@@ -261,6 +262,7 @@ class LearnerCore:
         metrics.update(shape_metrics)
         metrics["actor/lr"] = o.lr_sched.get_last_lr()[0]
         metrics.update(batch_metrics(b, o.version, time.perf_counter() - t0, self.cfg.train.ppo_epochs, cause))
+        metrics.update(host_memory.bound_free_heap(self.cfg.train.reuse_freed_memory_gb))  # a CPU learner's kept heap
         return metrics
 
     def train_step(self, b: dict, ref_model, step: int, version: int) -> dict:

@@ -197,9 +197,7 @@ class DeepSpeedLearner:
     def train_step(self, table: pa.Table, step: Optional[int] = None) -> dict:
         """One update on this rank's share of the groups; every rank must call it together."""
         self.engine.train()
-        metrics = self.core.learner_step(table, step, stats_reduce=self._allreduce)
-        metrics.update(host_memory.bound_free_heap(self.cfg.train.reuse_freed_memory_gb))
-        return metrics
+        return self.core.learner_step(table, step, stats_reduce=self._allreduce)
 
     # ------------------------------------------------------------------ reference, weights
     def _full_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:

@@ -88,13 +88,21 @@ class _MallInfo2(ctypes.Structure):
 def heap_bytes() -> Optional[tuple[int, int]]:
     """``(in_use, free)`` bytes of this process's malloc heap, all arenas (glibc ``mallinfo2``);
     ``None`` where the C library has none (not glibc, or glibc before 2.33)."""
-    lib = machine.glibc()
-    fn = getattr(lib, "mallinfo2", None) if lib is not None else None
+    fn = _mallinfo2()
     if fn is None:
         return None
-    fn.argtypes, fn.restype = [], _MallInfo2
     info = fn()
     return int(info.uordblks), int(info.fordblks)
+
+
+@functools.cache
+def _mallinfo2():
+    """glibc's ``mallinfo2`` (``None`` without it), its signature set once."""
+    lib = machine.glibc()
+    fn = getattr(lib, "mallinfo2", None) if lib is not None else None
+    if fn is not None:
+        fn.argtypes, fn.restype = [], _MallInfo2
+    return fn
 
 
 def resident_bytes() -> Optional[int]:

@@ -128,9 +128,7 @@ class TorchLearner:
 
     # ------------------------------------------------------------------ one step
     def train_step(self, table: pa.Table, step: Optional[int] = None) -> dict:
-        metrics = self.core.learner_step(table, step)
-        metrics.update(host_memory.bound_free_heap(self.cfg.train.reuse_freed_memory_gb))
-        return metrics
+        return self.core.learner_step(table, step)
 
     # ------------------------------------------------------------------ reference, weights
     def ledger_rows(self) -> Optional[pa.Table]:
