@@ -125,6 +125,10 @@ def parse(source: str) -> Spec:
     """Parse and check a source (task names and options against Reasoning Gym's registry)."""
     if not source.startswith(PREFIX):
         raise ValueError(f"{source}: not a reasoning-gym source (reasoning-gym:TASK[+TASK...]?n=&seed=&split=)")
+    if PREFIX in source[len(PREFIX):]:
+        # a YAML block scalar that lost a ';' joins two sources into one, whose last option would
+        # otherwise be reported as unknown to the first source's task
+        raise ValueError(f"{source}: two sources run together; separate sources with ';'")
     parts = urlsplit(source[len(PREFIX):])
     tasks = tuple(t for t in parts.path.split("+") if t)
     known = task_names()

@@ -72,6 +72,7 @@ def test_rows_are_deterministic_in_the_seed():
     ("reasoning-gym:chain_sum?n=5&min_term=2", ["unknown option 'min_term'", "min_terms", "max_digits"]),
     ("reasoning-gym:chain_sum?n=5&gcd.max_value=3", ["names task 'gcd'"]),
     ("reasoning-gym:chain_sum?n=x", ["integers"]),
+    ("reasoning-gym:gcd?n=4&max_value=6 reasoning-gym:lcm?n=4&max_value=10", ["two sources run together", "';'"]),
     ("reasoning-gym:chain_sum?answer=boxed", ["answer must be tags or stated"]),
     ("reasoning-gym:chain_sum?split=test", ["split must be train or eval"]),
     ("reasoning-gym:chain_sum+syllogism?shots=2&worked=true", ["worked=true", "'syllogism'", "chain_sum", "spell_backward"]),
