@@ -16,7 +16,10 @@ Arms, each in its own process, one after another: ``default`` is the learner as 
 pages back when more than ``train.reuse_freed_memory_gb`` (6) is resident beyond what is in use,
 :func:`prorl_async.learners.host_memory.bound_free_heap`), ``every-step`` hands back after every
 step (``reuse_freed_memory_gb=0``), ``unbounded`` never hands back (the behaviour before),
-``never`` keeps glibc's default allocator settings (``train.reuse_freed_memory=never``).
+``never`` keeps glibc's default allocator settings (``train.reuse_freed_memory=never``),
+``kernel-cache-1024`` keeps oneDNN's and ideep's kernel caches at their default 1024 entries
+(``train.kernel_cache_entries=0``, the behaviour before; the learner's default keeps 64,
+:func:`prorl_async.learners.host_memory.bound_kernel_caches`).
 Writes benchmarks/out/learner_memory.json.
 """
 
@@ -31,7 +34,8 @@ import time
 from _common import arg_parser, machine, table, write_json
 
 ARMS = {"default": [], "every-step": ["train.reuse_freed_memory_gb=0"],
-        "unbounded": ["train.reuse_freed_memory_gb=1000000"], "never": ["train.reuse_freed_memory=never"]}
+        "unbounded": ["train.reuse_freed_memory_gb=1000000"], "never": ["train.reuse_freed_memory=never"],
+        "kernel-cache-1024": ["train.kernel_cache_entries=0"]}
 
 
 def run_arm(arm: str, steps: int, overrides: list[str]) -> list[dict]:

@@ -87,6 +87,8 @@ def validate(cfg: Config) -> None:
              f"must be {', '.join(COMPILE_CHOICES[:-1])} or {COMPILE_CHOICES[-1]}, got {t.compile!r}")
     _require(t.reuse_freed_memory in REUSE_FREED_MEMORY_CHOICES, "train.reuse_freed_memory",
              f"must be auto, always or never, got {t.reuse_freed_memory!r}")
+    _require(t.kernel_cache_entries >= 0, "train.kernel_cache_entries",
+             f"must be >= 0 (0 = oneDNN's and ideep's default 1024), got {t.kernel_cache_entries}")
     _require(t.reuse_freed_memory_gb >= 0, "train.reuse_freed_memory_gb",
              f"must be >= 0 (0 = hand freed memory back after every step), got {t.reuse_freed_memory_gb}")
     _require(t.logprob_chunk_tokens >= 1, "train.logprob_chunk_tokens", f"must be >= 1, got {t.logprob_chunk_tokens}")

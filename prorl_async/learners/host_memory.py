@@ -80,6 +80,33 @@ def configure(setting: str, device) -> bool:
     return reuse_applies(setting, device) and reuse_freed_memory()
 
 
+#: The caches of compiled matmul kernels in a CPU learner's process, each keyed by the matmul's
+#: shape: oneDNN's primitive cache and that of ideep (PyTorch's oneDNN wrapper, behind bf16 matmuls
+#: on a CPU with AVX-512 bf16 or AMX). Each reads its capacity from the environment once, at the
+#: process's first oneDNN matmul; both default to 1024 entries.
+KERNEL_CACHE_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def bound_kernel_caches(entries: int, device) -> dict[str, str]:
+    """``train.kernel_cache_entries``: at most ``entries`` kernels in each cache of
+    :data:`KERNEL_CACHE_ENV` for a learner on a CPU ``device``; the variables it set (one the
+    user exported is kept; nothing for 0 or a GPU learner).
+
+    A packed batch has a new token count every step, so every step compiles new kernels, and at
+    1024 entries the caches hold them for hundreds of steps: a SmolLM2 bf16 learner's heap in use
+    grew 12-17 MB a step (the sixth run of docs/prorl_in_miniature.md, 2.90 -> 3.47 GB over 48
+    steps). A step reuses its kernels across layers, which a few dozen entries keep. Set before
+    the learner's first matmul (the learner's start-up); a process that already ran a oneDNN
+    matmul keeps the capacity it read then."""
+    if entries <= 0 or torch.device(device).type != "cpu":
+        return {}
+    applied = {}
+    for name in KERNEL_CACHE_ENV:
+        if name not in os.environ:
+            os.environ[name] = applied[name] = str(entries)
+    return applied
+
+
 class _MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
