@@ -92,10 +92,11 @@ def bound_kernel_caches(entries: int, device) -> dict[str, str]:
     :data:`KERNEL_CACHE_ENV` for a learner on a CPU ``device``; the variables it set (one the
     user exported is kept; nothing for 0 or a GPU learner).
 
-    A packed batch has a new token count every step, so every step compiles new kernels, and at
-    1024 entries the caches hold them for hundreds of steps: a SmolLM2 bf16 learner's heap in use
-    grew 12-17 MB a step (the sixth run of docs/prorl_in_miniature.md, 2.90 -> 3.47 GB over 48
-    steps). A step reuses its kernels across layers, which a few dozen entries keep. Set before
+    A packed batch has a new token count every step, so every step compiles new kernels, and the
+    caches keep them until their 1024 entries are full: a SmolLM2 bf16 learner's heap in use grew
+    12-17 MB a step and levelled off about 0.7 GB higher after some 60 steps (the sixth and seventh
+    runs of docs/prorl_in_miniature.md). A step reuses its kernels across layers, which a few
+    dozen entries keep. Set before
     the learner's first matmul (the learner's start-up); a process that already ran a oneDNN
     matmul keeps the capacity it read then."""
     if entries <= 0 or torch.device(device).type != "cpu":
