@@ -15,7 +15,7 @@ from actors.placement import ActorPlace, here, local_ip
 from actors.replay_buffer import BatchRefs
 from prorl_async.machine import actor_runtime_env
 from prorl_async.console import with_role
-from prorl_async.learners import make_learner
+from prorl_async.learners import host_memory, make_learner
 from prorl_async.learners.base import Learner
 from prorl_async.learners.batch import shard_groups
 from prorl_async.learners.core import sync_device
@@ -272,6 +272,19 @@ class LearnerGroup:
         return self._all("load_checkpoint", path)
 
 
+def learner_runtime_env(cfg) -> dict:
+    """Ray options of a learner actor's process: :func:`actor_runtime_env` (``OMP_WAIT_POLICY``)
+    plus, for a CPU learner, the capacity of its oneDNN and ideep kernel caches
+    (:func:`prorl_async.learners.host_memory.kernel_cache_env`), both read when the process starts."""
+    env = actor_runtime_env(cfg)
+    t = cfg.train
+    kernels = host_memory.kernel_cache_env(t.kernel_cache_entries, on_gpu=t.learner_num_gpus > 0)
+    if not kernels:
+        return env
+    runtime = dict(env.get("runtime_env") or {})
+    return {**env, "runtime_env": {**runtime, "env_vars": {**runtime.get("env_vars", {}), **kernels}}}
+
+
 def start_learner(cfg, model_path: str, name: str = "", placement_group=None):
     """One learner actor, or a :class:`LearnerGroup` for ``train.num_learners > 1`` (its ranks in
     ``placement_group``'s bundles when given, see :class:`LearnerGroup`).
@@ -280,7 +293,7 @@ def start_learner(cfg, model_path: str, name: str = "", placement_group=None):
     last checkpoint as it was, rather than coming back without its optimizer state."""
     t = cfg.train
     named = {"name": name} if name else {}
-    env = actor_runtime_env(cfg)  # OMP_WAIT_POLICY; a LearnerGroup's ranks inherit it
+    env = learner_runtime_env(cfg)  # a LearnerGroup's ranks inherit it
     if t.num_learners == 1:
         pinned = {"resources": t.learner_resources} if t.learner_resources else {}
         return LearnerActor.options(num_cpus=t.learner_num_cpus, num_gpus=t.learner_num_gpus, max_restarts=0,

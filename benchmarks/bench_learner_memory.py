@@ -19,13 +19,15 @@ step (``reuse_freed_memory_gb=0``), ``unbounded`` never hands back (the behaviou
 ``never`` keeps glibc's default allocator settings (``train.reuse_freed_memory=never``),
 ``kernel-cache-1024`` keeps oneDNN's and ideep's kernel caches at their default 1024 entries
 (``train.kernel_cache_entries=0``, the behaviour before; the learner's default keeps 64,
-:func:`prorl_async.learners.host_memory.bound_kernel_caches`).
+:func:`prorl_async.learners.host_memory.kernel_cache_env`, which a learner actor's runtime env
+carries and each arm's process here is started with).
 Writes benchmarks/out/learner_memory.json.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -36,6 +38,18 @@ from _common import arg_parser, machine, table, write_json
 ARMS = {"default": [], "every-step": ["train.reuse_freed_memory_gb=0"],
         "unbounded": ["train.reuse_freed_memory_gb=1000000"], "never": ["train.reuse_freed_memory=never"],
         "kernel-cache-1024": ["train.kernel_cache_entries=0"]}
+
+
+def kernel_env(arm: str) -> dict:
+    """The kernel-cache variables a CPU learner actor's process starts with, for ``arm``."""
+    from prorl_async.config import TrainConfig
+    from prorl_async.learners.host_memory import kernel_cache_env
+
+    entries = TrainConfig().kernel_cache_entries
+    for o in ARMS[arm]:
+        if o.startswith("train.kernel_cache_entries="):
+            entries = int(o.split("=", 1)[1])
+    return kernel_cache_env(entries, on_gpu=False)
 
 
 def run_arm(arm: str, steps: int, overrides: list[str]) -> list[dict]:
@@ -86,7 +100,7 @@ def main(argv=None) -> dict:
     rows = []
     for arm in args.arms.split(","):
         out = subprocess.run([sys.executable, __file__, "--arm", arm, "--steps", str(args.steps), "--set", *args.set],
-                             capture_output=True, text=True)
+                             capture_output=True, text=True, env={**os.environ, **kernel_env(arm)})
         if out.returncode:
             raise SystemExit(f"arm {arm} failed:\n{out.stderr[-3000:]}")
         got = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]

@@ -118,7 +118,6 @@ class DeepSpeedLearner:
         self.device = torch.device(device)
         a, t = cfg.algo, cfg.train
         self.reuses_freed_memory = host_memory.configure(t.reuse_freed_memory, self.device)
-        host_memory.bound_kernel_caches(t.kernel_cache_entries, self.device)  # before any matmul
         ensure_process_group(rank, world_size, master_addr, master_port,
                              backend="nccl" if self.device.type == "cuda" else "gloo", served_store=served_store)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()

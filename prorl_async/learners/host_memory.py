@@ -87,25 +87,21 @@ def configure(setting: str, device) -> bool:
 KERNEL_CACHE_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 
-def bound_kernel_caches(entries: int, device) -> dict[str, str]:
-    """``train.kernel_cache_entries``: at most ``entries`` kernels in each cache of
-    :data:`KERNEL_CACHE_ENV` for a learner on a CPU ``device``; the variables it set (one the
-    user exported is kept; nothing for 0 or a GPU learner).
+def kernel_cache_env(entries: int, on_gpu: bool) -> dict[str, str]:
+    """``train.kernel_cache_entries``: the variables that hold each cache of
+    :data:`KERNEL_CACHE_ENV` to ``entries`` kernels in a CPU learner's process, for its actor's
+    runtime env (set before the process starts; an in-process learner leaves its caller's
+    environment alone, which child processes would inherit). Nothing for 0, a GPU learner, or a
+    variable the user exported (the actor inherits that one).
 
     A packed batch has a new token count every step, so every step compiles new kernels, and the
     caches keep them until their 1024 entries are full: a SmolLM2 bf16 learner's heap in use grew
     12-17 MB a step and levelled off about 0.7 GB higher after some 60 steps (the sixth and seventh
     runs of docs/prorl_in_miniature.md). A step reuses its kernels across layers, which a few
-    dozen entries keep. Set before
-    the learner's first matmul (the learner's start-up); a process that already ran a oneDNN
-    matmul keeps the capacity it read then."""
-    if entries <= 0 or torch.device(device).type != "cpu":
+    dozen entries keep."""
+    if entries <= 0 or on_gpu:
         return {}
-    applied = {}
-    for name in KERNEL_CACHE_ENV:
-        if name not in os.environ:
-            os.environ[name] = applied[name] = str(entries)
-    return applied
+    return {name: str(entries) for name in KERNEL_CACHE_ENV if name not in os.environ}
 
 
 class _MallInfo2(ctypes.Structure):

@@ -53,7 +53,6 @@ class TorchLearner:
         self.device = torch.device(device)
         # large temporaries reuse freed heap memory instead of fresh pages (learners/host_memory.py)
         self.reuses_freed_memory = host_memory.configure(cfg.train.reuse_freed_memory, self.device)
-        host_memory.bound_kernel_caches(cfg.train.kernel_cache_entries, self.device)  # before any matmul
         torch.manual_seed(cfg.train.seed)
         # bf16 compute: the policy's dtype is bf16 (the engines generate in it), or the learner alone
         # asks for it where the hardware has bf16; the weights always load in fp32, so that the masters

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from prorl_async.config import ConfigError, load_config
-from prorl_async.learners.host_memory import KERNEL_CACHE_ENV, bound_kernel_caches, reuse_applies
+from actors.learner import learner_runtime_env
+from prorl_async.learners.host_memory import KERNEL_CACHE_ENV, kernel_cache_env, reuse_applies
 from prorl_async.machine import cpu_has_bf16
 
 REPO = Path(__file__).resolve().parents[2]
@@ -125,9 +126,7 @@ _KERNEL_PROBE = textwrap.dedent("""
     from prorl_async.learners import host_memory
     from prorl_async.learners.torch_learner import TorchLearner
 
-    cfg = load_config(None, [f"model.path={sys.argv[1]}", "model.dtype=bfloat16",
-                             f"train.kernel_cache_entries={sys.argv[2]}"])
-    learner = TorchLearner(cfg, sys.argv[1])
+    learner = TorchLearner(load_config(None, [f"model.path={sys.argv[1]}", "model.dtype=bfloat16"]), sys.argv[1])
     torch.set_num_threads(1)
     # what a packed learner step does to the caches: bf16 matmuls (forward and backward) of
     # SmolLM2's weight shapes at a new token count each round
@@ -138,35 +137,41 @@ _KERNEL_PROBE = textwrap.dedent("""
         for w in ws:
             torch.nn.functional.linear(x, w).float().sum().backward()
         in_use.append(host_memory.heap_bytes()[0])
-    print(json.dumps({"in_use": in_use, "env": {k: host_memory.os.environ.get(k) for k in host_memory.KERNEL_CACHE_ENV}}))
+    print(json.dumps({"in_use": in_use}))
 """)
 
 
 @pytest.mark.skipif(not cpu_has_bf16(), reason="bf16 matmuls go through oneDNN's kernels on a CPU with AVX-512 bf16 or AMX")
-def test_a_cpu_learner_bounds_the_kernel_caches_that_grew_a_step_at_a_time(tiny_model):
-    """``train.kernel_cache_entries``: a bf16 learner's matmul kernel caches, keyed by shape, stop
-    growing with new token counts at the bound the learner's start-up sets (64); at the
-    libraries' default (1024, ``0``) the same matmuls keep adding to the heap in use."""
+def test_a_cpu_learner_process_bounds_the_kernel_caches_that_grew_a_step_at_a_time(tiny_model):
+    """``train.kernel_cache_entries``: in a process started with the environment a CPU learner
+    actor gets (:func:`actors.learner.learner_runtime_env`, 64 entries), a bf16 learner's matmul
+    kernel caches, keyed by shape, stop growing with new token counts; at the libraries' default
+    (1024, ``0``) the same matmuls keep adding to the heap in use."""
+    base = {k: v for k, v in os.environ.items() if k not in KERNEL_CACHE_ENV}
     seen = {}
-    for entries in ("64", "0"):
-        out = subprocess.run([sys.executable, "-c", _KERNEL_PROBE, tiny_model, entries], cwd=REPO,
-                             capture_output=True, text=True, timeout=300,
-                             env={k: v for k, v in os.environ.items() if k not in KERNEL_CACHE_ENV})
+    for entries in (64, 0):
+        with pytest.MonkeyPatch.context() as mp:
+            for k in KERNEL_CACHE_ENV:
+                mp.delenv(k, raising=False)
+            cfg = load_config(None, [f"model.path={tiny_model}", f"train.kernel_cache_entries={entries}"])
+            env_vars = learner_runtime_env(cfg).get("runtime_env", {}).get("env_vars", {})
+        assert {k: env_vars.get(k) for k in KERNEL_CACHE_ENV} == dict.fromkeys(KERNEL_CACHE_ENV, str(entries) if entries else None)
+        out = subprocess.run([sys.executable, "-c", _KERNEL_PROBE, tiny_model], cwd=REPO, capture_output=True,
+                             text=True, timeout=300, env={**base, **env_vars})
         assert out.returncode == 0, out.stderr[-2000:]
-        seen[entries] = json.loads(out.stdout.strip().splitlines()[-1])
-    bounded, default = seen["64"], seen["0"]
-    assert bounded["env"] == dict.fromkeys(KERNEL_CACHE_ENV, "64") and default["env"] == dict.fromkeys(KERNEL_CACHE_ENV)
-    growth = {k: (v["in_use"][-1] - v["in_use"][19]) / 2**20 for k, v in seen.items()}  # MiB over the last 40 rounds
-    assert growth["64"] < 25 and growth["0"] > 100, growth
+        seen[entries] = json.loads(out.stdout.strip().splitlines()[-1])["in_use"]
+    growth = {k: (v[-1] - v[19]) / 2**20 for k, v in seen.items()}  # MiB over the last 40 rounds
+    assert growth[64] < 25 and growth[0] > 100, growth
 
 
-def test_kernel_cache_bound_keeps_an_exported_capacity_and_leaves_a_gpu_learner_alone(monkeypatch, tiny_model):
+def test_kernel_cache_env_keeps_an_exported_capacity_and_leaves_a_gpu_learner_alone(monkeypatch, tiny_model):
     for name in KERNEL_CACHE_ENV:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("LRU_CACHE_CAPACITY", "300")
-    assert bound_kernel_caches(0, "cpu") == {} and bound_kernel_caches(16, "cuda") == {}
-    assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in os.environ
-    assert bound_kernel_caches(16, "cpu") == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16"}
-    assert os.environ["LRU_CACHE_CAPACITY"] == "300" and os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "16"
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "300")  # the actor inherits the exported one
+    assert kernel_cache_env(0, on_gpu=False) == {} and kernel_cache_env(16, on_gpu=True) == {}
+    assert kernel_cache_env(16, on_gpu=False) == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16"}
+    cfg = load_config(None, [f"model.path={tiny_model}", "ray.omp_wait_policy=passive"])
+    assert learner_runtime_env(cfg)["runtime_env"]["env_vars"] == {"OMP_WAIT_POLICY": "PASSIVE",
+                                                                   "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}
     with pytest.raises(ConfigError, match="train.kernel_cache_entries"):
         load_config(None, [f"model.path={tiny_model}", "train.kernel_cache_entries=-1"])
