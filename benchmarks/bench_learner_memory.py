@@ -42,14 +42,12 @@ ARMS = {"default": [], "every-step": ["train.reuse_freed_memory_gb=0"],
 
 def kernel_env(arm: str) -> dict:
     """The kernel-cache variables a CPU learner actor's process starts with, for ``arm``."""
-    from prorl_async.config import TrainConfig
-    from prorl_async.learners.host_memory import kernel_cache_env
+    from actors.learner import learner_runtime_env
+    from prorl_async.config import load_config
+    from prorl_async.learners.host_memory import KERNEL_CACHE_ENV
 
-    entries = TrainConfig().kernel_cache_entries
-    for o in ARMS[arm]:
-        if o.startswith("train.kernel_cache_entries="):
-            entries = int(o.split("=", 1)[1])
-    return kernel_cache_env(entries, on_gpu=False)
+    env_vars = learner_runtime_env(load_config(None, ARMS[arm])).get("runtime_env", {}).get("env_vars", {})
+    return {k: v for k, v in env_vars.items() if k in KERNEL_CACHE_ENV}
 
 
 def run_arm(arm: str, steps: int, overrides: list[str]) -> list[dict]:
