@@ -58,6 +58,10 @@ def run(rank: int, spec: dict, port: int) -> None:
     torch.save({"metrics": metrics, "weights": weights if rank == 0 else None, "version": learner.version,
                 "ref_device": str(next(learner.ref.parameters()).device)},
                os.path.join(spec["out"], f"result-rank{rank}.pt"))
+    # Leave the world before the interpreter ends: gloo's worker threads still holding work at
+    # finalisation abort the rank ("terminate called without an active exception", SIGABRT), which
+    # failed a fresh-clone CI run once (the resumed leg of test_two_rank_stop_and_resume_continues_exactly).
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
