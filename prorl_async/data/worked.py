@@ -14,11 +14,13 @@ read and graded as without this option.
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 
-def _chain_sum(meta: dict) -> tuple[str, int]:
+def _chain_sum(item: dict) -> tuple[str, int]:
     """``98 + 93 - 77`` -> ``98 + 93 = 191. 191 - 77 = 114.``"""
+    meta = item["metadata"]
     parts = meta["expression"].split()
     total, steps = int(parts[0]), []
     for op, raw in zip(parts[1::2], parts[2::2]):
@@ -29,8 +31,9 @@ def _chain_sum(meta: dict) -> tuple[str, int]:
     return " ".join(steps), total
 
 
-def _products(meta: dict) -> tuple[str, int]:
+def _products(item: dict) -> tuple[str, int]:
     """``98 * 93`` -> ``98 * 93 = 98 * 90 + 98 * 3 = 8820 + 294 = 9114.`` (one digit: ``7 * 8 = 56.``)"""
+    meta = item["metadata"]
     a, op, b = meta["expression"].split()
     x, y = int(a), int(b)
     if op != "*" or len(meta["expression"].split()) != 3:
@@ -46,8 +49,9 @@ def _products(meta: dict) -> tuple[str, int]:
     return f"{x} * {y} = {split} = {partial} = {x * y}.", x * y
 
 
-def _gcd(meta: dict) -> tuple[str, int]:
+def _gcd(item: dict) -> tuple[str, int]:
     """Euclid's remainders: ``100 mod 60 = 40. 60 mod 40 = 20. 40 mod 20 = 0. The GCD is 20.``"""
+    meta = item["metadata"]
     numbers = [abs(int(v)) for v in meta["numbers"]]
     steps, g = [], numbers[0]
     for n in numbers[1:]:
@@ -60,8 +64,9 @@ def _gcd(meta: dict) -> tuple[str, int]:
     return " ".join(steps), g
 
 
-def _leg_counting(meta: dict) -> tuple[str, int]:
+def _leg_counting(item: dict) -> tuple[str, int]:
     """``4 butterfly: 4 * 6 = 24. 2 crab: 2 * 10 = 20. 24 + 20 = 44.``"""
+    meta = item["metadata"]
     from reasoning_gym.arithmetic.leg_counting import ANIMALS
 
     counts = [(name, int(k), ANIMALS[name]) for name, k in meta["animals"].items()]
@@ -72,8 +77,9 @@ def _leg_counting(meta: dict) -> tuple[str, int]:
     return " ".join(steps), total
 
 
-def _letter_counting(meta: dict) -> tuple[str, int]:
+def _letter_counting(item: dict) -> tuple[str, int]:
     """``"r" in me 0, see 0, I 0, have 0, three 1. 0 + 0 + 0 + 0 + 1 = 1.``"""
+    meta = item["metadata"]
     letter = meta["target_letter"].lower()
     counts = [(w, w.lower().count(letter)) for w in meta["span"]]
     total = sum(c for _, c in counts)
@@ -81,15 +87,32 @@ def _letter_counting(meta: dict) -> tuple[str, int]:
     return f'"{letter}" in {listed}. ' + " + ".join(str(c) for _, c in counts) + f" = {total}.", total
 
 
-def _spell_backward(meta: dict) -> tuple[str, str]:
+def _spell_backward(item: dict) -> tuple[str, str]:
     """``r-o-i-d backward is d-i-o-r.``"""
+    meta = item["metadata"]
     word = meta["word"]
     return f"{'-'.join(word)} backward is {'-'.join(reversed(word))}.", word[::-1]
 
 
+def _aiw(item: dict) -> tuple[str, int]:
+    """Alice in Wonderland, Reasoning Gym's counting (a person counts among the others' sisters /
+    friends / colleagues): ``Her brother's sisters are Alice's 3 sisters and Alice: 3 + 1 = 4.``
+    The metadata has only the task type, so the counts are read from the question."""
+    question, kind = item["question"], item["metadata"].get("task_type")
+    name = question.split()[0]
+    noun = {"siblings": "sisters", "friends": "female friends", "colleagues": "female colleagues"}.get(kind)
+    found = re.search(rf"(\d+) {noun}\b", question) if noun else None
+    if found is None:
+        raise ValueError(f"an aiw question of an unknown form (task type {kind!r}): {question!r}")
+    k = int(found.group(1))
+    whose = {"siblings": "Her brother's sisters", "friends": "His female friends",
+             "colleagues": "Matilda's female colleagues"}[kind]
+    return f"{whose} are {name}'s {k} {noun} and {name}: {k} + 1 = {k + 1}.", k + 1
+
+
 WRITERS: dict[str, Callable[[dict], tuple]] = {
     "chain_sum": _chain_sum, "products": _products, "gcd": _gcd, "leg_counting": _leg_counting,
-    "letter_counting": _letter_counting, "spell_backward": _spell_backward,
+    "letter_counting": _letter_counting, "spell_backward": _spell_backward, "aiw": _aiw,
 }
 
 
@@ -99,7 +122,7 @@ def worked_steps(task: str, item: dict) -> str:
     if task not in WRITERS:
         raise ValueError(f"worked=true: no worked solutions for {task!r}; they exist for "
                          f"{', '.join(sorted(WRITERS))} (drop worked=true from this task's source)")
-    steps, value = WRITERS[task](item.get("metadata", {}))
+    steps, value = WRITERS[task]({"metadata": {}, **item})
     if str(value) != str(item["answer"]).strip():
         raise ValueError(f"worked=true: the worked solution of {task!r} ends on {value!r}, the gold answer is "
                          f"{item['answer']!r} (question {item['question']!r})")

@@ -97,7 +97,7 @@ def test_the_stated_answer_format():
     assert grade(row, "We need to add the two numbers together and then\nreport it").reason == "no_answer"
 
 
-# every task a worked solution exists for, at the settings of configs/prorl_smollm2_cpu.yaml's levels
+# every task a worked solution exists for, at the settings of the ProRL-in-miniature configs' levels
 WORKED_SETTINGS = [
     ("chain_sum", dict(min_terms=3, max_terms=4, min_digits=1, max_digits=2)),
     ("products", dict(min_digits=1, max_digits=3)),
@@ -105,6 +105,7 @@ WORKED_SETTINGS = [
     ("leg_counting", dict(min_animals=1, max_animals=3, max_instances=6)),
     ("letter_counting", dict(min_words=3, max_words=10)),
     ("spell_backward", dict(min_word_len=3, max_word_len=6)),
+    ("aiw", dict(max_entities=6)),  # configs/prorl_smollm2_wide_cpu.yaml's logic task (its hard level)
 ]
 
 
