@@ -17,7 +17,6 @@ Writes benchmarks/out/generator_memory.json.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import subprocess
 import sys
@@ -30,18 +29,15 @@ PROMPTS = [f"What is {a} + {b}? Put the result in <answer></answer> tags." for a
            [(3, 4), (12, 9), (7, 8), (25, 17), (6, 6), (40, 2), (11, 13), (9, 30)]]
 
 
-class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
 def heap() -> dict:
     """glibc's counters in MB: ``in_use`` (allocated, heap + mmapped), ``free_held`` (freed, still mapped)."""
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = _Mallinfo2
-    m = libc.mallinfo2()
-    return {"in_use_mb": (m.uordblks + m.hblkhd) / 2**20, "free_held_mb": m.fordblks / 2**20,
-            "mmapped_mb": m.hblkhd / 2**20}
+    from prorl_async.learners.host_memory import heap_counters
+
+    m = heap_counters()
+    if m is None:
+        raise SystemExit("bench_generator_memory needs glibc's mallinfo2 (glibc 2.33 or newer)")
+    return {"in_use_mb": (m["uordblks"] + m["hblkhd"]) / 2**20, "free_held_mb": m["fordblks"] / 2**20,
+            "mmapped_mb": m["hblkhd"] / 2**20}
 
 
 def rss_mb() -> float:

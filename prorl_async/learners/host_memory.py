@@ -109,14 +109,22 @@ class _MallInfo2(ctypes.Structure):
                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
-def heap_bytes() -> Optional[tuple[int, int]]:
-    """``(in_use, free)`` bytes of this process's malloc heap, all arenas (glibc ``mallinfo2``);
+def heap_counters() -> Optional[dict[str, int]]:
+    """glibc's ``mallinfo2`` counters of this process, all arenas, by field name (``uordblks``:
+    allocated from the heap, ``fordblks``: freed and still held, ``hblkhd``: in mmapped blocks);
     ``None`` where the C library has none (not glibc, or glibc before 2.33)."""
     fn = _mallinfo2()
     if fn is None:
         return None
     info = fn()
-    return int(info.uordblks), int(info.fordblks)
+    return {name: int(getattr(info, name)) for name, _ in _MallInfo2._fields_}
+
+
+def heap_bytes() -> Optional[tuple[int, int]]:
+    """``(in_use, free)`` bytes of this process's malloc heap (:func:`heap_counters`'
+    ``uordblks``, ``fordblks``); ``None`` without ``mallinfo2``."""
+    counters = heap_counters()
+    return None if counters is None else (counters["uordblks"], counters["fordblks"])
 
 
 @functools.cache
