@@ -13,7 +13,7 @@ import torch
 
 from actors.placement import ActorPlace, here, local_ip
 from actors.replay_buffer import BatchRefs
-from prorl_async.machine import actor_runtime_env
+from prorl_async.machine import actor_runtime_env, with_env_vars
 from prorl_async.console import with_role
 from prorl_async.learners import host_memory, make_learner
 from prorl_async.learners.base import Learner
@@ -279,10 +279,7 @@ def learner_runtime_env(cfg) -> dict:
     env = actor_runtime_env(cfg)
     t = cfg.train
     kernels = host_memory.kernel_cache_env(t.kernel_cache_entries, on_gpu=t.learner_num_gpus > 0)
-    if not kernels:
-        return env
-    runtime = dict(env.get("runtime_env") or {})
-    return {**env, "runtime_env": {**runtime, "env_vars": {**runtime.get("env_vars", {}), **kernels}}}
+    return with_env_vars(env, kernels) if kernels else env
 
 
 def start_learner(cfg, model_path: str, name: str = "", placement_group=None):

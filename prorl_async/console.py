@@ -26,6 +26,8 @@ from collections import deque
 from pathlib import Path
 from typing import Callable
 
+from prorl_async.machine import with_env_vars
+
 LOG_DIR_ENV = "PRORL_ASYNC_LOG_DIR"  # set in the job's runtime env: where actors' output goes
 ROLE_ENV = "PRORL_ASYNC_ROLE"  # set per actor: its file name (generator-0, learner, grader, buffer)
 VERBOSE_ENV = "PRORL_ASYNC_VERBOSE"  # "1": engines' and Ray's lines on the console, as before issue 27
@@ -42,9 +44,7 @@ def verbose() -> bool:
 def with_role(opts: dict, role: str) -> dict:
     """Ray actor options ``opts`` plus the actor's role in its runtime env: with a quiet console
     its output goes to ``<run_dir>/logs/<role>.log``."""
-    env = dict(opts.get("runtime_env") or {})
-    env["env_vars"] = {**env.get("env_vars", {}), ROLE_ENV: role}
-    return {**opts, "runtime_env": env}
+    return with_env_vars(opts, {ROLE_ENV: role})
 
 
 # ------------------------------------------------------------------ inside an actor process

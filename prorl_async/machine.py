@@ -84,7 +84,15 @@ def actor_runtime_env(cfg: Config) -> dict[str, Any]:
         policy = machine_omp_wait_policy(cfg, probe_machine(bf16=False))
     if policy == "keep":
         return {}
-    return {"runtime_env": {"env_vars": {"OMP_WAIT_POLICY": policy.upper()}}}
+    return with_env_vars({}, {"OMP_WAIT_POLICY": policy.upper()})
+
+
+def with_env_vars(opts: dict[str, Any], env_vars: dict[str, str]) -> dict[str, Any]:
+    """Ray actor options ``opts`` with ``env_vars`` added to their ``runtime_env`` (the other
+    variables and runtime-env fields kept; ``env_vars`` wins a name both have); ``opts`` untouched."""
+    runtime = dict(opts.get("runtime_env") or {})
+    runtime["env_vars"] = {**runtime.get("env_vars", {}), **env_vars}
+    return {**opts, "runtime_env": runtime}
 
 
 @functools.cache
