@@ -4,9 +4,9 @@ A demo answered only "The answer is 114." teaches a small model to answer in one
 room to compute: its policy can then only sharpen the answers it already guesses (the second
 ProRL-in-miniature run: 7-token responses from step 1, entropy 0.53 -> 0.14). A demo that works
 the problem out in short steps before the same final line shows the model a way to use more
-tokens. Each writer below turns a generated item's metadata into those steps; the value the steps
-end on is checked against the item's gold answer, so a writer that disagrees with Reasoning Gym
-fails at load time instead of teaching a wrong method.
+tokens. Each writer below turns a generated item (its metadata; for aiw its question) into those
+steps; the value the steps end on is checked against the item's gold answer, so a writer that
+disagrees with Reasoning Gym fails at load time instead of teaching a wrong method.
 
 Only demos are worked: the questions and the graders are Reasoning Gym's own, and a response is
 read and graded as without this option.
@@ -66,8 +66,9 @@ def _gcd(item: dict) -> tuple[str, int]:
 
 def _leg_counting(item: dict) -> tuple[str, int]:
     """``4 butterfly: 4 * 6 = 24. 2 crab: 2 * 10 = 20. 24 + 20 = 44.``"""
-    meta = item["metadata"]
     from reasoning_gym.arithmetic.leg_counting import ANIMALS
+
+    meta = item["metadata"]
 
     counts = [(name, int(k), ANIMALS[name]) for name, k in meta["animals"].items()]
     steps = [f"{k} {name}: {k} * {legs} = {k * legs}." for name, k, legs in counts]
@@ -95,9 +96,10 @@ def _spell_backward(item: dict) -> tuple[str, str]:
 
 
 def _aiw(item: dict) -> tuple[str, int]:
-    """Alice in Wonderland, Reasoning Gym's counting (a person counts among the others' sisters /
-    friends / colleagues): ``Her brother's sisters are Alice's 3 sisters and Alice: 3 + 1 = 4.``
-    The metadata has only the task type, so the counts are read from the question."""
+    """Alice in Wonderland, counted as Reasoning Gym counts (Alice herself is one of her brother's
+    sisters, of her male friend's female friends, of Matilda's female colleagues):
+    ``Her brother's sisters are Alice's 3 sisters and Alice: 3 + 1 = 4.`` The metadata has only
+    the task type, so the count is read from the question."""
     question, kind = item["question"], item["metadata"].get("task_type")
     name = question.split()[0]
     noun = {"siblings": "sisters", "friends": "female friends", "colleagues": "female colleagues"}.get(kind)
