@@ -92,26 +92,32 @@ def bound_member(rank: int, ports: tuple, ifname: str, q) -> None:
         q.put((rank, f"error: {type(e).__name__}: {e}", 0.0))
 
 
-def reform_member(rank: int, ports: tuple, replaced: str, q) -> None:
-    """Forms a weight-sync group on each of ``ports`` in turn (one update through each), as a
-    re-forming generator or learner does. The old group stays referenced (as a traceback or a
-    pending work object can hold it) and is ``replaced`` by ``"close"`` (closed first) or
-    ``"keep"`` (not closed); puts this process's open fds and listening sockets after each group."""
+def reform_member(rank: int, rounds: int, replaced: str, q, port_q) -> None:
+    """Forms a weight-sync group ``rounds`` times in turn (one update through each), as a
+    re-forming generator or learner does: rank 0 serves each group's store on a port the OS picks
+    (as the learner does) and hands the port to rank 1 through ``port_q``. The old group stays
+    referenced (as a traceback or a pending work object can hold it) and is ``replaced`` by
+    ``"close"`` (closed first) or ``"keep"`` (not closed); puts this process's open fds and
+    listening sockets after each group."""
     import psutil
 
-    from prorl_async.weight_sync import WeightSyncGroup, close_group
+    from prorl_async.weight_sync import WeightSyncGroup, close_group, serve_store
 
     try:
         me, seen, old = psutil.Process(), [], []
         group = None
-        for k, port in enumerate(ports):
+        for k in range(rounds):
             if replaced == "close":
                 close_group(group)
             old.append(group)
-            group = WeightSyncGroup("127.0.0.1", port, rank, 2, "gloo", timeout_s=30.0)
             if rank == 0:
+                served, port = serve_store("127.0.0.1")
+                port_q.put(port)
+                group = WeightSyncGroup("127.0.0.1", port, rank, 2, "gloo", timeout_s=30.0, store=served)
+                del served  # the group holds the store (its listener) from here on
                 group.send(named(k), k + 1)
             else:
+                group = WeightSyncGroup("127.0.0.1", port_q.get(timeout=60), rank, 2, "gloo", timeout_s=30.0)
                 group.receive()
             seen.append((me.num_fds(), sum(c.status == "LISTEN" for c in me.net_connections("tcp"))))
         close_group(group)

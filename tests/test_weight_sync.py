@@ -93,9 +93,8 @@ def test_a_re_formed_group_closes_the_old_one_leaving_no_sockets_or_listeners():
     ctx = mp.get_context("spawn")
     seen = {}
     for replaced in ("close", "keep"):
-        q = ctx.Queue()
-        ports = tuple(free_port() for _ in range(6))
-        procs = [ctx.Process(target=reform_member, args=(r, ports, replaced, q)) for r in range(2)]
+        q, port_q = ctx.Queue(), ctx.Queue()  # ports picked as the stores bind them: none can be taken first
+        procs = [ctx.Process(target=reform_member, args=(r, 6, replaced, q, port_q)) for r in range(2)]
         for p in procs:
             p.start()
         try:
