@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import cli
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # ~2-4 min alone on the 2-core AMD machine
+pytestmark = [pytest.mark.slow, pytest.mark.ci, pytest.mark.timeout(1200)]  # ~2-4 min alone on the 2-core AMD machine
 
 GAIN = 0.10  # the gate: well under the measured gains, well over the draw-to-draw noise of 200 prompts x 4
 

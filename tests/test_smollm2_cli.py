@@ -14,7 +14,7 @@ from tests.conftest import ROOT, cli
 from tests.test_console import foreign_lines
 
 pytest.importorskip("vllm")
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]  # ~3 min alone; a 135M model + vLLM + learner need ~4 GB free
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.ci, pytest.mark.timeout(1800)]  # ~3 min alone; a 135M model + vLLM + learner need ~4 GB free
 
 
 SMALL = ["train.total_steps=2", "train.prompts_per_step=2", "rollout.n=2", "rollout.prompts_per_request=2",

@@ -8,7 +8,7 @@ import os
 import pytest
 
 pytest.importorskip("vllm")
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.ci]
 
 from prorl_async.engines.base import SamplingSpec  # noqa: E402
 from tests.conftest import cli  # noqa: E402

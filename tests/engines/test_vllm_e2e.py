@@ -12,7 +12,7 @@ from tests.conftest import ROOT, cli
 
 pytest.importorskip("vllm")
 pytest.importorskip("deepspeed")
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.ci, pytest.mark.timeout(1800)]
 
 
 # the production config at the default run's batch (64 prompts, 4 updates a step) and warm-up, so that
