@@ -40,13 +40,14 @@ ARMS = {"default": [], "every-step": ["train.reuse_freed_memory_gb=0"],
         "kernel-cache-1024": ["train.kernel_cache_entries=0"]}
 
 
-def kernel_env(arm: str) -> dict:
-    """The kernel-cache variables a CPU learner actor's process starts with, for ``arm``."""
+def kernel_env(arm: str, overrides: list[str]) -> dict:
+    """The kernel-cache variables a CPU learner actor's process starts with, for ``arm`` and the
+    ``--set`` overrides (``train.kernel_cache_entries`` may be among them)."""
     from actors.learner import learner_runtime_env
     from prorl_async.config import load_config
     from prorl_async.learners.host_memory import KERNEL_CACHE_ENV
 
-    env_vars = learner_runtime_env(load_config(None, ARMS[arm])).get("runtime_env", {}).get("env_vars", {})
+    env_vars = learner_runtime_env(load_config(None, [*ARMS[arm], *overrides])).get("runtime_env", {}).get("env_vars", {})
     return {k: v for k, v in env_vars.items() if k in KERNEL_CACHE_ENV}
 
 
@@ -98,7 +99,7 @@ def main(argv=None) -> dict:
     rows = []
     for arm in args.arms.split(","):
         out = subprocess.run([sys.executable, __file__, "--arm", arm, "--steps", str(args.steps), "--set", *args.set],
-                             capture_output=True, text=True, env={**os.environ, **kernel_env(arm)})
+                             capture_output=True, text=True, env={**os.environ, **kernel_env(arm, args.set)})
         if out.returncode:
             raise SystemExit(f"arm {arm} failed:\n{out.stderr[-3000:]}")
         got = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
