@@ -14,8 +14,10 @@ def named(seed: int, device: str = "cpu", extra: bool = False):
     return [(n, t.to(device)) for n, t in out]
 
 
-def member(rank: int, port: int, backend: str, device: str, scenario: str, q) -> None:
-    from prorl_async.weight_sync import WeightSyncError, WeightSyncGroup, tensor_checksum
+def member(rank: int, port_q, backend: str, device: str, scenario: str, q) -> None:
+    """One member of a two-process group: rank 0 serves the group's store on a port the OS picks as
+    it binds (as the learner does) and hands the port to rank 1 through ``port_q``."""
+    from prorl_async.weight_sync import WeightSyncError, WeightSyncGroup, serve_store, tensor_checksum
 
     try:
         dev = f"{device}:{rank}" if device == "cuda" else device
@@ -23,8 +25,15 @@ def member(rank: int, port: int, backend: str, device: str, scenario: str, q) ->
             torch.cuda.set_device(rank)
         wire = torch.bfloat16 if scenario == "wire_bf16" else None  # a receiver whose engine runs bf16
         verify = "full" if scenario == "full" else "sampled"
+        served = None
+        if rank == 0:
+            served, port = serve_store("127.0.0.1")
+            port_q.put(port)
+        else:
+            port = port_q.get(timeout=60)
         group = WeightSyncGroup("127.0.0.1", port, rank, 2, backend, timeout_s=5.0, device=dev, wire_dtype=wire,
-                                verify=verify)
+                                verify=verify, store=served)
+        del served  # the group holds the store from here on
         if rank == 0:
             if scenario == "silent":  # never sends: the receiver must time out, not hang
                 time.sleep(8)

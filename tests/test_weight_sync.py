@@ -16,9 +16,8 @@ from tests._sync_worker import bound_member, member, named, reform_member
 
 def _run(scenario: str, backend: str = "gloo", device: str = "cpu", timeout: float = 90.0) -> dict:
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=member, args=(r, port, backend, device, scenario, q)) for r in range(2)]
+    q, port_q = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=member, args=(r, port_q, backend, device, scenario, q)) for r in range(2)]
     for p in procs:
         p.start()
     out = {}
