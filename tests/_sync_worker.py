@@ -14,10 +14,22 @@ def named(seed: int, device: str = "cpu", extra: bool = False):
     return [(n, t.to(device)) for n, t in out]
 
 
+def pair_group(rank: int, port_q, backend: str = "gloo", **options):
+    """This process's member of a two-process weight-sync group: rank 0 serves the group's store on
+    a port the OS picks as it binds (as the learner does) and hands the port to rank 1 through
+    ``port_q``; ``options`` go to :class:`WeightSyncGroup`."""
+    from prorl_async.weight_sync import WeightSyncGroup, serve_store
+
+    if rank == 0:
+        served, port = serve_store("127.0.0.1")
+        port_q.put(port)
+        return WeightSyncGroup("127.0.0.1", port, 0, 2, backend, store=served, **options)
+    return WeightSyncGroup("127.0.0.1", port_q.get(timeout=60), 1, 2, backend, **options)
+
+
 def member(rank: int, port_q, backend: str, device: str, scenario: str, q) -> None:
-    """One member of a two-process group: rank 0 serves the group's store on a port the OS picks as
-    it binds (as the learner does) and hands the port to rank 1 through ``port_q``."""
-    from prorl_async.weight_sync import WeightSyncError, WeightSyncGroup, serve_store, tensor_checksum
+    """One member of a two-process group (:func:`pair_group`) in ``scenario``."""
+    from prorl_async.weight_sync import WeightSyncError, tensor_checksum
 
     try:
         dev = f"{device}:{rank}" if device == "cuda" else device
@@ -25,15 +37,7 @@ def member(rank: int, port_q, backend: str, device: str, scenario: str, q) -> No
             torch.cuda.set_device(rank)
         wire = torch.bfloat16 if scenario == "wire_bf16" else None  # a receiver whose engine runs bf16
         verify = "full" if scenario == "full" else "sampled"
-        served = None
-        if rank == 0:
-            served, port = serve_store("127.0.0.1")
-            port_q.put(port)
-        else:
-            port = port_q.get(timeout=60)
-        group = WeightSyncGroup("127.0.0.1", port, rank, 2, backend, timeout_s=5.0, device=dev, wire_dtype=wire,
-                                verify=verify, store=served)
-        del served  # the group holds the store from here on
+        group = pair_group(rank, port_q, backend, timeout_s=5.0, device=dev, wire_dtype=wire, verify=verify)
         if rank == 0:
             if scenario == "silent":  # never sends: the receiver must time out, not hang
                 time.sleep(8)
@@ -103,14 +107,13 @@ def bound_member(rank: int, ports: tuple, ifname: str, q) -> None:
 
 def reform_member(rank: int, rounds: int, replaced: str, q, port_q) -> None:
     """Forms a weight-sync group ``rounds`` times in turn (one update through each), as a
-    re-forming generator or learner does: rank 0 serves each group's store on a port the OS picks
-    (as the learner does) and hands the port to rank 1 through ``port_q``. The old group stays
+    re-forming generator or learner does (each a :func:`pair_group`). The old group stays
     referenced (as a traceback or a pending work object can hold it) and is ``replaced`` by
     ``"close"`` (closed first) or ``"keep"`` (not closed); puts this process's open fds and
     listening sockets after each group."""
     import psutil
 
-    from prorl_async.weight_sync import WeightSyncGroup, close_group, serve_store
+    from prorl_async.weight_sync import close_group
 
     try:
         me, seen, old = psutil.Process(), [], []
@@ -119,14 +122,10 @@ def reform_member(rank: int, rounds: int, replaced: str, q, port_q) -> None:
             if replaced == "close":
                 close_group(group)
             old.append(group)
+            group = pair_group(rank, port_q, timeout_s=30.0)
             if rank == 0:
-                served, port = serve_store("127.0.0.1")
-                port_q.put(port)
-                group = WeightSyncGroup("127.0.0.1", port, rank, 2, "gloo", timeout_s=30.0, store=served)
-                del served  # the group holds the store (its listener) from here on
                 group.send(named(k), k + 1)
             else:
-                group = WeightSyncGroup("127.0.0.1", port_q.get(timeout=60), rank, 2, "gloo", timeout_s=30.0)
                 group.receive()
             seen.append((me.num_fds(), sum(c.status == "LISTEN" for c in me.net_connections("tcp"))))
         close_group(group)
