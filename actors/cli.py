@@ -58,7 +58,24 @@ def _train(args) -> int:
     except (Stopped, Terminated) as e:  # SIGTERM: 128 + the signal's number, as a shell reports it
         print(str(e), file=sys.stderr)
         return 128 + signal.SIGTERM
+    except Exception as e:  # SIGTERM inside Ray's C code (a ray.get) comes back as a SystemError caused by it
+        if (t := _caused_by(e, Terminated)) is None:
+            raise
+        print(str(t), file=sys.stderr)
+        return 128 + signal.SIGTERM
     return 0 if summary else 1
+
+
+def _caused_by(e: BaseException, kind: type) -> BaseException | None:
+    """The first exception of ``kind`` in ``e``'s chain of causes and contexts, or None."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, kind):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
 
 
 def _eval(args) -> int:

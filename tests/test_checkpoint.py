@@ -342,6 +342,17 @@ def _signal_on(proc, log: Path, pattern: str, sig: signal.Signals, errors: list,
         proc.send_signal(sig)
 
 
+def _signal_on_file(proc, path: Path, errors: list, deadline_s: float = 300) -> None:
+    """SIGTERM to the CLI as soon as ``path`` (an actor's log, which its process writes first) exists."""
+    end = time.time() + deadline_s
+    while not path.exists():
+        if proc.poll() is not None or time.time() > end:
+            errors.append(f"no {path} before the run ended ({proc.returncode}) or {deadline_s:.0f}s passed")
+            return
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, model_cache):
     """Phase 1, concurrently: sync 6 steps straight; sync 6 steps killed with SIGKILL (its process
@@ -494,15 +505,21 @@ def test_deepspeed_learner_state_resumes_exactly(tmp_path, tiny_model, tmp_path_
     assert (tmp_path / "policy" / "model.safetensors").is_file()
 
 
-def test_sigterm_before_step_one_stops_at_once_and_shuts_its_ray_down(tmp_path, model_cache):
-    """SIGTERM outside the training loop (here during the step-0 evaluation) stops the run at once
-    with one line and exit status 143, its actors and Ray shut down; without a handler there the
-    signal's default action killed the driver (status -15) and left the Ray cluster it started."""
+@pytest.mark.parametrize("when", ["logs/learner.log", r"held-out evaluation, step 0"], ids=["actors-starting", "step-0-eval"])
+def test_sigterm_before_step_one_stops_at_once_and_shuts_its_ray_down(tmp_path, model_cache, when):
+    """SIGTERM outside the training loop (while the actors start, the driver blocked in a ray.get,
+    or during the step-0 evaluation) stops the run at once with one line and exit status 143, its
+    actors and Ray shut down. Without a handler the signal's default action killed the driver
+    (status -15) and left the Ray cluster it started; inside a blocking ray.get the handler's
+    exception came back from Ray's C code as a SystemError and the CLI printed a traceback."""
     args = BASE + ["train.total_steps=2", "train.eval_samples=16", "data.eval=builtin:arithmetic?n=200&seed=2&split=eval"]
     p, log = _launch(args, tmp_path / "stopped", tmp_path, model_cache)
     errors: list = []
     try:
-        _signal_on(p, log, r"held-out evaluation, step 0", signal.SIGTERM, errors)
+        if when.startswith("logs/"):  # the learner's process has started: the driver waits for the actors
+            _signal_on_file(p, tmp_path / "stopped" / when, errors)
+        else:
+            _signal_on(p, log, when, signal.SIGTERM, errors)
         assert not errors, errors
         rc = p.wait(timeout=300)
         deadline = time.time() + 60  # the cluster's processes (same process group) exit with it
