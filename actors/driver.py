@@ -59,7 +59,7 @@ class TrainingLoop:
         g = len(actors.generators)
         self.s = LoopState(gen_version=[0] * g, gen_busy=[False] * g, gen_busy_s=[0.0] * g, gen_started=[0.0] * g,
                            gen_rss_mb=[0.0] * g, before=dict(before or {}))
-        self.s.t_start = self.s.t_last_step = self.s.last_progress = time.time()
+        self.s.t_start = self.s.t_last_step = self.s.last_progress = self.s.checkpoint_t = time.time()
         self.refill = RefillWatch(cfg.train.prompts_per_step, cfg.algo.max_refill_rounds, self.s.t_start)
         self.failures = FailurePolicy(cfg.rollout.max_generator_failures, run_dir)
         self.actor_warnings = ActorWarnings()  # the project's warnings raised inside actors
@@ -76,8 +76,8 @@ class TrainingLoop:
     def _run(self) -> list[dict]:
         s, total = self.s, self.cfg.train.total_steps
         while (s.version < total or s.training is not None) and not s.stop_reason and not s.signalled:
-            if self.checkpoint_due():
-                self.checkpoint("interval")
+            if due := self.checkpoint_due():
+                self.checkpoint(due)
                 continue
             if s.resync_needed:  # a generator or a weight sync failed: one full sync before anything else
                 if s.training is None and s.sync_pending == 0:
@@ -300,17 +300,23 @@ class TrainingLoop:
             s.stop_reason = self.stop_rule.reason(val, step)
             print(f"stopping: {s.stop_reason}; the checkpoint, the final evaluation and final/ follow", flush=True)
 
-    def checkpoint_due(self) -> bool:
-        v, every = self.s.version, self.cfg.train.checkpoint_interval
-        return (self.run_dir is not None and every > 0 and 0 < v < self.cfg.train.total_steps
-                and v % every == 0 and self.s.checkpointed != v)
+    def checkpoint_due(self) -> str:
+        """"interval" every ``train.checkpoint_interval`` steps, "timed" once ``train.checkpoint_every_s``
+        seconds passed since the newest checkpoint, else ""; never twice for a step, never for the
+        last (the end's)."""
+        s, t = self.s, self.cfg.train
+        if self.run_dir is None or not 0 < s.version < t.total_steps or s.checkpointed == s.version:
+            return ""
+        if t.checkpoint_interval > 0 and s.version % t.checkpoint_interval == 0:
+            return "interval"
+        return "timed" if t.checkpoint_every_s > 0 and time.time() - s.checkpoint_t >= t.checkpoint_every_s else ""
 
     def checkpoint(self, reason: str) -> None:
         """A checkpoint of the current step (``reason``: interval, end, error ...), after the barrier;
         none without a run dir; also for a clean stop. An evaluation due at the step runs first: the checkpoint holds it."""
         if self.run_dir is not None:
             self.barrier()
-            if reason == "interval" and self.eval_due() and not self.s.resync_needed:
+            if reason in ("interval", "timed") and self.eval_due() and not self.s.resync_needed:
                 self.evaluate_held_out()
             checkpointing.save(self, reason)
 

@@ -82,6 +82,7 @@ class LoopState:
     reissued: list = field(default_factory=list)   # prompt ids of requests re-issued after a failure
     gen_spans: list = field(default_factory=list)  # (start, end) of requests finished since the last step
     checkpointed: int = -1       # the version of the newest checkpoint
+    checkpoint_t: float = 0.0    # when the newest checkpoint was written, or the loop started (train.checkpoint_every_s)
     pending: dict = field(default_factory=dict)    # ObjectRef -> Pending
 
     SAVED: ClassVar[tuple] = ("version", "consumed", "live", "buffered", "requests", "window", "busy_s", "train_busy_s",

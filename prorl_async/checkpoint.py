@@ -59,7 +59,7 @@ _STEP_RE = re.compile(r"^step-(\d{6,})$")
 
 # Fields a resumed run may change: they do not touch the math, the data or the sampling.
 RESUME_MUTABLE = (
-    "run_dir", "train.total_steps", "train.checkpoint_interval", "train.keep_last", "train.eval_interval",
+    "run_dir", "train.total_steps", "train.checkpoint_interval", "train.checkpoint_every_s", "train.keep_last", "train.eval_interval",
     "train.eval_samples", "train.eval_temperature", "train.keep_best", "train.keep_best_mode", "train.stop_at",
     "train.batch_timeout_s", "train.sync_timeout_s", "train.record_rollouts", "reward.num_workers",
     "model.cache_dir", "tracking.", "ray.",
@@ -221,12 +221,23 @@ def list_checkpoints(run_dir) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def _reason(ckpt: Path) -> str:
+    try:
+        return str(json.loads((ckpt / MANIFEST).read_text()).get("reason", ""))
+    except (OSError, ValueError):
+        return ""
+
+
 def prune(run_dir, keep_last: int) -> list[str]:
-    """Keep the newest ``keep_last`` checkpoints (never the one ``latest`` names)."""
+    """Keep the newest ``keep_last`` checkpoints (never the one ``latest`` names). A timed one
+    (``train.checkpoint_every_s``, reason "timed") is a safety net: it goes once a newer checkpoint
+    exists, so the interval checkpoints kept for evaluation are not crowded out."""
     root = checkpoints_dir(run_dir)
     latest = _read_latest(root)
     ckpts = list_checkpoints(run_dir)
-    doomed = ckpts[:-keep_last] if keep_last > 0 else ckpts
+    superseded = [p for p in ckpts[:-1] if _reason(p) == "timed"]
+    ckpts = [p for p in ckpts if p not in superseded]
+    doomed = superseded + (ckpts[:-keep_last] if keep_last > 0 else ckpts)
     removed = []
     for p in doomed:
         if p.name == latest:

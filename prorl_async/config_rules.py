@@ -59,6 +59,7 @@ def validate(cfg: Config) -> None:
     _require(t.max_update_ratio >= 0, "train.max_update_ratio", f"must be >= 0 (0 = off), got {t.max_update_ratio}")
     _require(t.max_staleness >= 0, "train.max_staleness", f"must be >= 0 (0 = synchronous), got {t.max_staleness}")
     _require(t.total_steps >= 1, "train.total_steps", f"must be >= 1, got {t.total_steps}")
+    _require(t.checkpoint_every_s >= 0, "train.checkpoint_every_s", f"must be >= 0 (0 = off), got {t.checkpoint_every_s}")
     _require(t.prompts_per_step >= 1, "train.prompts_per_step", f"must be >= 1, got {t.prompts_per_step}")
     _require(r.n >= 1, "rollout.n", f"must be >= 1, got {r.n}")
     _require(r.num_threads >= 0, "rollout.num_threads", f"must be >= 0 (0 = train.num_threads), got {r.num_threads}")

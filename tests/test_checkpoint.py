@@ -48,11 +48,11 @@ def _run_dir(tmp_path: Path) -> Path:
     return d
 
 
-def _save(run_dir: Path, step: int, keep_last: int = 2) -> Path:
+def _save(run_dir: Path, step: int, keep_last: int = 2, reason: str = "interval") -> Path:
     def write(tmp: Path) -> dict:
         (tmp / "config.yaml").write_text((run_dir / "config.yaml").read_text())
         (tmp / "payload.txt").write_text(f"step {step}\n")
-        return {"version": step}
+        return {"version": step, "reason": reason}
 
     return checkpoint.save(run_dir, step, write, keep_last=keep_last)
 
@@ -67,6 +67,26 @@ def test_save_prune_latest(tmp_path):
     ck = checkpoint.load_latest(run_dir)
     assert ck.step == 8 and ck.version == 8 and (ck.path / "payload.txt").read_text() == "step 8\n"
     assert set(ck.manifest["files"]) == {"config.yaml", "payload.txt"}
+
+
+def test_timed_checkpoints_go_once_a_newer_one_exists(tmp_path):
+    """A timed checkpoint is a safety net between interval ones: the next checkpoint of either kind
+    supersedes it, so keep_last still keeps that many interval checkpoints for evaluation."""
+    run_dir = _run_dir(tmp_path)
+    root = run_dir / "checkpoints"
+    names = lambda: sorted(p.name for p in root.iterdir() if p.name != "latest")  # noqa: E731
+    _save(run_dir, 25, keep_last=3)
+    _save(run_dir, 40, keep_last=3, reason="timed")
+    assert names() == ["step-000025", "step-000040"]  # the newest, timed, stays
+    _save(run_dir, 50, keep_last=3)
+    assert names() == ["step-000025", "step-000050"]
+    _save(run_dir, 60, keep_last=3, reason="timed")
+    _save(run_dir, 70, keep_last=3, reason="timed")
+    assert names() == ["step-000025", "step-000050", "step-000070"]
+    _save(run_dir, 75, keep_last=3)
+    _save(run_dir, 100, keep_last=3)
+    assert names() == ["step-000050", "step-000075", "step-000100"]  # keep_last counts interval ones
+    assert checkpoint.load_latest(run_dir).step == 100
 
 
 def test_load_latest_ignores_temp_dirs_and_partial_dirs(tmp_path):
@@ -208,6 +228,34 @@ def _intact(ck: checkpoint.Checkpoint, mb: int) -> bool:
         if len(data) != (mb // 8) * (1 << 20) or data != want * (mb // 8):
             return False
     return True
+
+
+def test_checkpoint_due_by_steps_and_by_seconds(tmp_path):
+    """``train.checkpoint_interval`` counts steps; ``train.checkpoint_every_s`` the seconds since the
+    newest checkpoint (a machine killed without a SIGTERM, as a session's end here, loses at most that:
+    an eighth run lost its first 11 minutes, preflight and 6 steps, before its step-25 checkpoint). Neither writes
+    a step twice, nor the last step (the end's checkpoint), nor anything without a run dir."""
+    from types import SimpleNamespace
+
+    from actors.driver import TrainingLoop
+    from actors.loop_state import LoopState
+    from prorl_async.config import load_config
+
+    def due(version, overrides, checkpointed=-1, since_s=0.0, run_dir=tmp_path):
+        cfg = load_config(None, ["train.total_steps=100", *overrides])
+        s = LoopState(version=version, checkpointed=checkpointed, checkpoint_t=time.time() - since_s)
+        return TrainingLoop.checkpoint_due(SimpleNamespace(s=s, cfg=cfg, run_dir=run_dir))
+
+    assert due(25, ["train.checkpoint_interval=25"]) == "interval" and not due(26, ["train.checkpoint_interval=25"])
+    assert not due(25, ["train.checkpoint_interval=25"], checkpointed=25)
+    assert not due(7, []) and not due(7, [], since_s=1e6)  # both off: only the end's checkpoint
+    by_time = ["train.checkpoint_every_s=600"]
+    assert due(7, by_time, since_s=601) == "timed" and not due(7, by_time, since_s=599)
+    assert not due(7, by_time, checkpointed=7, since_s=601)  # this step is written already
+    assert not due(100, by_time, since_s=601) and not due(0, by_time, since_s=601)  # the end's, or nothing trained
+    assert not due(7, by_time, since_s=601, run_dir=None)
+    both = ["train.checkpoint_interval=25", "train.checkpoint_every_s=600"]
+    assert due(25, both) == "interval" and due(13, both, since_s=700) == "timed" and not due(13, both, since_s=10)
 
 
 def test_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):

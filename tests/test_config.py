@@ -22,6 +22,7 @@ def test_defaults_and_overrides(tmp_path):
     ("rollout.n=abc", "rollout.n: expected an integer"),
     ("algo.dynamic_sampling=maybe", "algo.dynamic_sampling: expected true/false"),
     ("train.max_staleness=-1", "train.max_staleness: must be >= 0"),
+    ("train.checkpoint_every_s=-5", "train.checkpoint_every_s: must be >= 0"),
     ("train.mini_batches=3", "train.mini_batches: must divide train.prompts_per_step=64"),
     ("train.micro_batch_size=100", "train.micro_batch_size: must divide the mini-batch of 128"),
     ("algo.is_mode=foo", "algo.is_mode: must be tis, icepop or none"),
