@@ -32,8 +32,8 @@ _ONE_WORKER = {f: "smollm2 in process" for f in (
     "tests/learners/test_packed_learner.py")}
 # Handed out first, longest first (minutes each on the AMD CI machine), so no worker starts a long
 # file while the other runs out of work; every other file follows in collection order. The slow files
-# that .ci/run runs in the same pytest (marked `ci`) are among them: SmolLM2 through the CLI is the
-# longest unit (about 4 minutes), vLLM + DeepSpeed end to end about 2.
+# that .ci/run runs in the same pytest (marked `ci`) are among them: SmolLM2 through the CLI and vLLM +
+# DeepSpeed end to end (with --verbose) are the longest units, about 4 minutes each.
 _LONG_FIRST = (
     "tests/test_smollm2_cli.py", "tests/test_curriculum_cli.py", "tests/test_checkpoint.py", "tests/test_e2e.py",
     "smollm2 in process", "tests/engines/test_vllm_e2e.py", "tests/test_e2e_recipe.py", "tests/test_faults_hard.py",
