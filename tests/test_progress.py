@@ -28,6 +28,13 @@ def test_progress_line_shows_elapsed_and_time_left():
     assert "[20s elapsed, ~20s left]" in line
 
 
+def test_progress_line_of_a_step_trained_only_on_buffered_groups_shows_the_batch_reward():
+    m = {"reward/raw_mean": 0.57, "perf/train_tok_s": 300.0}  # nothing generated this step
+    line = progress_line(3, 4, m, time.time() - 30.0)
+    assert "reward - (none generated; trained batch 0.570)" in line and "acc -" in line
+    assert "(none generated" not in progress_line(3, 4, {**m, "reward/mean": 0.4}, time.time() - 30.0)
+
+
 def _put(kept=0, all_wrong=0, all_correct=0, invalid=0) -> PutResult:
     dropped_by = {"all_wrong": all_wrong, "all_correct": all_correct, "invalid": invalid}
     return PutResult(kept=kept, dropped=sum(dropped_by.values()), dropped_by=dropped_by, invalid_samples=0,
