@@ -1,5 +1,5 @@
 """Metric arithmetic of a run, as pure functions: correctness, per-step rollout and timing
-metrics, held-out pass@1 / pass@k.
+metrics, held-out pass@1 / pass@k, and what a set's answers alone score.
 
 * ``is_correct``: a response is correct iff its verifier reward is 1 (within ``CORRECT_TOL``);
   partial credit (a fraction of tests passed) is not. The one rule every reader uses (buffer
@@ -9,6 +9,9 @@ metrics, held-out pass@1 / pass@k.
   (arXiv 2107.03374, eq. 1) with n = k, i.e. no unbiased estimator from n > k samples.
 * Invalid samples (the grader could not decide) count as not correct in evaluation; in the
   rollout metrics they are left out of the means and counted as ``reward/invalid``.
+* ``prior@1`` / ``prior@k`` (:func:`answer_prior`): the pass@1 of always giving a set's most
+  common answer and the pass@k of guessing from its answers, with no model: the line a pass@ must
+  clear before it says anything of skill on a task whose answers are mostly a few values.
 """
 
 from __future__ import annotations
@@ -101,4 +104,52 @@ def pass_at_k(samples: Iterable[tuple[str, str, float, bool]], k: int, prefix: s
         out[f"{prefix}/pass@1{key}"] = sum(sum(per_prompt[p]) / len(per_prompt[p]) for p in pids) / len(pids)
         if k is not None:
             out[f"{prefix}/pass@{k}{key}"] = sum(max(per_prompt[p]) for p in pids) / len(pids)
+    return out
+
+
+def answer_prior(rows: Iterable[dict], k: int) -> dict[str, float]:
+    """What a set's gold answers alone score, with no model: ``prior@1`` and ``prior@{k}``,
+    overall and per domain (``.../<domain>``), for the rows that have an ``answer``.
+
+    A task whose answers are mostly one value can be passed by a policy that has learned that value
+    instead of the task (a count of letters in three words is 1 for most of them), and a pass@k
+    near the share of the answers it can guess says nothing of reasoning. So, per prompt, from the
+    answers of the *other* prompts of its domain (leave-one-out: a prompt's own answer never counts
+    for it, so a set of distinct answers scores 0):
+
+    * ``prior@1``: whether its answer is the most common of theirs (the pass@1 of always answering
+      that one value; a tie of t values counts 1/t when the answer is among them);
+    * ``prior@k``: ``1 - (1 - p)**k``, ``p`` the share of their answers equal to its answer (the
+      pass@k of k answers drawn at random from them; only for ``k`` > 1).
+
+    Answers compare as stripped strings. Rows without one (code, instruction following) are left
+    out, as is a domain with fewer than 2 answered rows; the overall means are over the prompts
+    scored."""
+    answers: dict[str, list[str]] = defaultdict(list)
+    for row in rows:
+        if isinstance(row.get("answer"), (str, int, float)) and str(row["answer"]).strip():
+            answers[row["domain"]].append(str(row["answer"]).strip())
+    scored: dict[str, list[tuple[float, float]]] = {}
+    for dom, golds in answers.items():
+        if len(golds) < 2:
+            continue
+        counts: dict[str, int] = defaultdict(int)
+        for g in golds:
+            counts[g] += 1
+        per_prompt = []
+        for g in golds:
+            others = {a: c - (a == g) for a, c in counts.items()}
+            top = max(others.values())
+            tied = [a for a, c in others.items() if c == top]
+            p = others[g] / (len(golds) - 1)
+            per_prompt.append(((g in tied) / len(tied), 1.0 - (1.0 - p) ** k))
+        scored[dom] = per_prompt
+    out: dict[str, float] = {}
+    everything = [s for per_prompt in scored.values() for s in per_prompt]
+    for dom, per_prompt in [("all", everything), *sorted(scored.items())]:
+        if per_prompt:
+            key = "" if dom == "all" else f"/{dom}"
+            out[f"prior@1{key}"] = sum(s[0] for s in per_prompt) / len(per_prompt)
+            if k > 1:
+                out[f"prior@{k}{key}"] = sum(s[1] for s in per_prompt) / len(per_prompt)
     return out

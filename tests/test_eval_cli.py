@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from prorl_async.checkpoint import policy_folder
 from prorl_async.data.arithmetic import generate
+from prorl_async.metrics import answer_prior
 from tests.conftest import cli
 from tests.test_console import foreign_lines
 
@@ -32,6 +34,12 @@ def test_eval_a_builtin_model_on_a_verl_parquet(tmp_path, model_cache):
     # the warmed-up model solves some of the problems, sampled three times each: pass@3 >= pass@1 > 0
     assert 0 < r["pass@1"] <= r["pass@3"] <= 1 and r["pass@1/arithmetic"] == r["pass@1"]
     assert "pass@1" in res.stdout and "arithmetic" in res.stdout and "wrote r.json" in res.stdout
+    # beside them, what the set's answers alone score (no model), in the JSON and as columns of the table
+    prior = answer_prior([{"domain": "arithmetic", "answer": rec["reward_model"]["ground_truth"]} for rec in records], 3)
+    assert set(prior) == {"prior@1", "prior@3", "prior@1/arithmetic", "prior@3/arithmetic"}
+    assert {key: r[key] for key in prior} == pytest.approx(prior)
+    header = next(line for line in res.stdout.splitlines() if line.startswith("domain"))
+    assert header.split() == ["domain", "pass@1", "pass@3", "prior@1", "prior@3"], res.stdout[-2000:]
     assert not (tmp_path / "aim").exists() and r["aim_run_hash"] is None  # no Aim run unless --aim
     assert not list(tmp_path.glob("runs*"))  # nor a training run directory
     # the console holds the project's lines only; the actors' output is in r-logs/, named at the end

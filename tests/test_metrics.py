@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from prorl_async.metrics import domain_metrics, is_correct, pass_at_k, rollout_metrics, utilisation_metrics
+from prorl_async.metrics import answer_prior, domain_metrics, is_correct, pass_at_k, rollout_metrics, utilisation_metrics
 
 
 def test_is_correct_is_one_rule_for_floats_arrays_and_tensors():
@@ -52,3 +52,24 @@ def test_pass_at_k_overall_and_per_domain():
     assert out["val/pass@1/code"] == 1.0 and out["val/pass@2/code"] == 1.0
     greedy = pass_at_k([("p1", "math", 1.0, True)], k=None, prefix="val/greedy")
     assert greedy == {"val/greedy/pass@1": 1.0, "val/greedy/pass@1/math": 1.0}
+
+
+def test_answer_prior_scores_what_guessing_from_the_other_prompts_answers_passes():
+    rows = ([{"domain": "count", "answer": a} for a in ["1", "1", "1", "2"]]
+            + [{"domain": "tie", "answer": a} for a in ["1", "1", "2", "2", "1"]]
+            + [{"domain": "distinct", "answer": a} for a in ["5", "6", "7"]]
+            + [{"domain": "code", "tests": ["assert f() == 1"]}, {"domain": "code", "tests": ["assert g()"]},
+               {"domain": "alone", "answer": "3"}])
+    out = answer_prior(rows, k=2)
+    # each "1" sees two "1"s and one "2" among the others: always answering "1" passes it; the "2" sees only "1"s
+    assert out["prior@1/count"] == pytest.approx(3 / 4)
+    assert out["prior@2/count"] == pytest.approx(3 * (1 - (1 / 3) ** 2) / 4)
+    # a "1" sees two "1"s and two "2"s (a tie: half a pass); a "2" sees three "1"s and one "2"
+    assert out["prior@1/tie"] == pytest.approx((3 * 0.5) / 5)
+    assert out["prior@2/tie"] == pytest.approx((3 * (1 - 0.5 ** 2) + 2 * (1 - 0.75 ** 2)) / 5)
+    # no prompt's own answer counts for it: distinct answers cannot be guessed
+    assert out["prior@1/distinct"] == 0.0 and out["prior@2/distinct"] == 0.0
+    # rows without an answer, and a domain of one answered row, have no prior; "all" is over the 12 scored
+    assert not any(key.endswith(("/code", "/alone")) for key in out)
+    assert out["prior@1"] == pytest.approx((3 + 1.5 + 0) / 12)
+    assert set(answer_prior(rows, k=1)) == {key for key in out if key.startswith("prior@1")}
