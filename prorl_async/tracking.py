@@ -102,10 +102,12 @@ def progress_line(step: int, total: int, m: dict, t_start: float) -> str:
 
     now = time.time()
     left = eta_s(step, total, now - t_start)
-    reward = g('reward/mean')
-    if reward == "-" and g('reward/raw_mean') != "-":
-        # the step generated nothing and trained on groups buffered earlier: say what it trained on
-        reward = f"- (none generated; trained batch {g('reward/raw_mean')})"
+    reward, batch = g('reward/mean'), g('reward/raw_mean')
+    if reward == "-" and batch != "-":
+        # no sample of this step was graded (none generated, or every one invalid) and it trained
+        # on groups buffered earlier: say what it trained on
+        why = "none graded" if m.get("reward/invalid", 0) else "none generated"
+        reward = f"- ({why}; trained batch {batch})"
     return (f"step {step:>4}/{total}  reward {reward}  acc {g('reward/accuracy')}  "
             f"kl {g('kl/loss_term', '{:.2e}')}  stale {g('async/trained_staleness_max', '{:.0f}')}  "
             f"gen {g('perf/gen_tok_s', '{:.0f}')} tok/s  train {g('perf/train_tok_s', '{:.0f}')} tok/s  "

@@ -33,6 +33,9 @@ def test_progress_line_of_a_step_trained_only_on_buffered_groups_shows_the_batch
     line = progress_line(3, 4, m, time.time() - 30.0)
     assert "reward - (none generated; trained batch 0.570)" in line and "acc -" in line
     assert "(none generated" not in progress_line(3, 4, {**m, "reward/mean": 0.4}, time.time() - 30.0)
+    # samples were generated but none could be graded: said as such
+    assert "reward - (none graded; trained batch 0.570)" in progress_line(3, 4, {**m, "reward/invalid": 8.0},
+                                                                           time.time() - 30.0)
 
 
 def _put(kept=0, all_wrong=0, all_correct=0, invalid=0) -> PutResult:
