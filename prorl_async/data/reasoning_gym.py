@@ -23,6 +23,13 @@ Query parameters (every one optional):
 * ``worked``: ``true`` answers each shot with short worked steps before its final line (e.g.
   ``98 + 93 = 191. 191 - 77 = 114. The answer is 114.``), for the tasks
   :mod:`prorl_async.data.worked` has a writer for; default ``false`` (the final line alone);
+* ``max_share``: at most this share of a task's rows may have one answer (e.g. ``0.25``; default
+  1, no limit). Items are taken in index order as always, and one whose answer already fills its
+  share is passed over. Some tasks' answers are mostly one value at easy settings (a letter's
+  count in three to five words is 1 in more than half of them), and a policy that learns the value passes
+  them without the task (``prior@1`` of ``prorl-async eval`` shows it); a cap makes pass@k measure
+  the task. A cap the task's answers cannot meet (fewer distinct answers than ``1 / max_share``)
+  is an error asking for a higher one;
 * ``level``: a label of this difficulty setting; the rows' domain is ``rg:TASK@LEVEL`` (without
   it ``rg:TASK``), so evaluation, rollout metrics and the curriculum's pools keep levels apart;
 * anything else is an option of the task's config (e.g. ``min_terms=2&max_terms=2`` for
@@ -43,6 +50,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 from urllib.parse import parse_qsl, urlsplit
 
 import yaml
@@ -54,7 +62,7 @@ DOMAIN_PREFIX = "rg:"
 ANSWER_FORMATS = ("tags", "stated")
 EVAL_FRACTION, DEMO_FRACTION = 0.20, 0.05
 DEMO_SEED = 9_973  # the few-shot examples' seed: fixed, so train and eval prompts share them
-_RESERVED = ("n", "seed", "split", "shots", "answer", "level", "worked")
+_RESERVED = ("n", "seed", "split", "shots", "answer", "level", "worked", "max_share")
 _MAX_TRIES = 50  # generated items per wanted row before a split is declared too small
 _MIN_SCAN = 1000  # and at least this many: the demo split is 5 %, so 2 shots in 100 items fail 4 % of option sets
 
@@ -112,6 +120,7 @@ class Spec:
     level: str
     options: dict  # task -> {option: value}
     worked: bool = False
+    max_share: float = 1.0
 
 
 def _value(raw: str):
@@ -159,6 +168,9 @@ def parse(source: str) -> Spec:
         if missing:
             raise ValueError(f"{source}: worked=true: no worked solutions for {missing}; they exist for "
                              f"{', '.join(sorted(WRITERS))} (drop worked=true for the others)")
+    max_share = _value(query.get("max_share", "1"))
+    if isinstance(max_share, bool) or not isinstance(max_share, (int, float)) or not 0 < max_share <= 1:
+        raise ValueError(f"{source}: max_share must be a number in (0, 1], got {query['max_share']!r}")
     if level and not level.replace("_", "").replace("-", "").isalnum():
         raise ValueError(f"{source}: level must be a word (letters, digits, - or _), got {level!r}")
     options = {t: {} for t in tasks}
@@ -174,7 +186,7 @@ def parse(source: str) -> Spec:
             raise ValueError(f"{source}: unknown option {key!r}; valid: {', '.join(_RESERVED)}; task options: {valid}")
         for t in targets:
             options[t][name] = _value(raw)
-    return Spec(tasks, n, seed, split, shots, answer, level, options, worked)
+    return Spec(tasks, n, seed, split, shots, answer, level, options, worked, float(max_share))
 
 
 def _dataset(task: str, options: dict, seed: int, size: int):
@@ -184,20 +196,30 @@ def _dataset(task: str, options: dict, seed: int, size: int):
         raise ValueError(f"reasoning-gym:{task}: options {options} rejected by the task: {e}") from None
 
 
-def _items(task: str, options: dict, seed: int, split: str, count: int):
-    """``count`` items of ``split`` (question-hash split), in index order, with their indices."""
+def _items(task: str, options: dict, seed: int, split: str, count: int, max_share: float = 1.0):
+    """``count`` items of ``split`` (question-hash split), in index order, with their indices; an
+    item whose answer already holds ``ceil(max_share * count)`` of them is passed over."""
     size = max(max(count, 1) * _MAX_TRIES, _MIN_SCAN)  # items are generated on access, in index order
     ds = _dataset(task, options, seed, size)
-    out = []
+    cap = max(1, math.ceil(max_share * count - 1e-9))
+    out: list = []
+    per_answer: dict[str, int] = {}
     for idx in range(size):
         if len(out) == count:
             return out
         item = ds[idx]
         if split_of(item["question"]) == split:
+            gold = str(item["answer"])
+            if per_answer.get(gold, 0) >= cap:
+                continue
+            per_answer[gold] = per_answer.get(gold, 0) + 1
             out.append((idx, item))
     if len(out) < count:
-        raise ValueError(f"reasoning-gym:{task} with {options}: found {len(out)} {split}-split problems in {size} "
-                         f"generated, {count} wanted; ask for fewer rows or wider options")
+        capped = (f" with at most {cap} rows per answer (max_share={max_share}; {len(per_answer)} distinct answers "
+                  f"found)" if max_share < 1 else "")
+        raise ValueError(f"reasoning-gym:{task} with {options}: found {len(out)} {split}-split problems{capped} in "
+                         f"{size} generated, {count} wanted; ask for fewer rows, wider options"
+                         f"{' or a higher max_share' if capped else ''}")
     return out
 
 
@@ -232,7 +254,7 @@ def generate(source: str) -> list[dict]:
             shots += [{"role": "user", "content": demo["question"]},
                       {"role": "assistant", "content": _demo_answer(str(demo["answer"]), spec.answer, steps)}]
         score = scorer(task)
-        for idx, item in _items(task, opts, spec.seed, spec.split, spec.n):
+        for idx, item in _items(task, opts, spec.seed, spec.split, spec.n, spec.max_share):
             entry = _entry(item)
             gold = str(item["answer"])
             if score(gold, entry) < 1.0:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 pytest.importorskip("reasoning_gym")
 
 from prorl_async.data import reasoning_gym as rg  # noqa: E402
 from prorl_async.data.datasets import load_rows  # noqa: E402
+from prorl_async.metrics import answer_prior  # noqa: E402
 from prorl_async.rewards import grade  # noqa: E402
 from prorl_async.rewards.pool import GraderPool  # noqa: E402
 
@@ -78,12 +81,29 @@ def test_rows_are_deterministic_in_the_seed():
     ("reasoning-gym:chain_sum+syllogism?shots=2&worked=true", ["worked=true", "'syllogism'", "chain_sum", "spell_backward"]),
     ("reasoning-gym:chain_sum?worked=true", ["worked=true", "set shots"]),
     ("reasoning-gym:chain_sum?shots=2&worked=maybe", ["worked must be true or false"]),
+    ("reasoning-gym:chain_sum?max_share=0", ["max_share must be a number in (0, 1]"]),
+    ("reasoning-gym:aiw?n=40&max_entities=3&max_share=0.2", ["8 rows per answer", "3 distinct answers", "higher max_share"]),
 ])
 def test_a_bad_source_is_one_error_naming_what_is_valid(source, words):
     with pytest.raises(ValueError) as err:
         load_rows(source)
     msg = str(err.value)
     assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+def test_max_share_caps_the_rows_of_any_one_answer():
+    """At three to five words a letter's count is mostly 1: always answering 1 passes most rows
+    (prior@1); with ``max_share=0.25`` no answer has more than 10 of 40 rows, taken in index order
+    from the same split, and always answering one value passes at most a quarter."""
+    source = "reasoning-gym:letter_counting?n=40&seed=1&min_words=3&max_words=5"
+    plain, capped = load_rows(source), load_rows(source + "&max_share=0.25")
+    count = lambda rows: Counter(r["answer"] for r in rows)  # noqa: E731
+    assert count(plain).most_common(1)[0][1] > 10 and max(count(capped).values()) <= 10 and len(capped) == 40
+    index = [int(r["id"].rsplit(":", 1)[1]) for r in capped]
+    assert index == sorted(index) and all(rg.split_of(r["meta"]["entry"]["question"]) == "train" for r in capped)
+    assert {r["id"] for r in plain if count(plain)[r["answer"]] <= 10} <= {r["id"] for r in capped}
+    assert answer_prior(plain, 16)["prior@1"] > 0.5 >= 0.25 >= answer_prior(capped, 16)["prior@1"]
+    assert load_rows(source + "&max_share=0.25") == capped and load_rows(source + "&max_share=1") == plain
 
 
 def test_the_stated_answer_format():
