@@ -24,7 +24,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from prorl_async import console
 from prorl_async.config import Config
-from prorl_async.machine import actor_runtime_env
+from prorl_async.learners.host_memory import kernel_cache_env
+from prorl_async.machine import actor_runtime_env, with_env_vars
 from prorl_async.learners.core import NonFiniteStepError
 
 from actors.failures import Failure
@@ -198,6 +199,11 @@ def learner_placement(cfg: Config, timeout_s: float = PLACEMENT_TIMEOUT_S):
 def generator_placement(cfg: Config, index: int, timeout_s: float = PLACEMENT_TIMEOUT_S) -> tuple[dict, object]:
     """Ray options for generator ``index``, and its placement group (None below 2 GPUs).
 
+    A CPU generator's process bounds its oneDNN and ideep kernel caches as a CPU learner's does
+    (``train.kernel_cache_entries``): every decode batch size is a new matmul shape, and at the
+    libraries' 1024 entries a SmolLM2 generator's resident size rose about 350 MB over its first
+    100 steps after each start (docs/prorl_in_miniature.md, the ninth run).
+
     A generator that asks for more than one GPU (a tensor-parallel vLLM engine) gets its own
     placement group: one STRICT_PACK bundle with all its GPUs and CPUs, reserved together on
     one node before the engine starts. The engine's processes and any Ray tasks it starts
@@ -206,8 +212,10 @@ def generator_placement(cfg: Config, index: int, timeout_s: float = PLACEMENT_TI
     """
     r = cfg.rollout
     pinned = {"resources": r.generator_resources} if r.generator_resources else {}
+    env = actor_runtime_env(cfg)
+    kernels = kernel_cache_env(cfg.train.kernel_cache_entries, on_gpu=r.generator_num_gpus > 0)
     opts = console.with_role({"num_cpus": r.generator_num_cpus, "num_gpus": r.generator_num_gpus, **pinned,
-                              **actor_runtime_env(cfg)}, f"generator-{index}")
+                              **(with_env_vars(env, kernels) if kernels else env)}, f"generator-{index}")
     if r.generator_num_gpus <= 1:
         return opts, None
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -149,10 +149,11 @@ class TrainConfig:
                                       "the heap has in use at a step's end; above it the heap's free pages go back "
                                       "to the OS (0: after every step, flat memory at the cost of faulting each "
                                       "step's temporaries in again)")
-    kernel_cache_entries: int = _f(64, "a CPU learner process keeps at most this many compiled matmul kernels in each "
-                                   "of oneDNN's and ideep's caches, both keyed by shape (a packed batch's new length "
-                                   "every step fills their default 1024 entries: a bf16 learner's memory in use grew "
-                                   "12-17 MB a step); an exported ONEDNN_PRIMITIVE_CACHE_CAPACITY / "
+    kernel_cache_entries: int = _f(64, "a CPU learner or generator process keeps at most this many compiled matmul "
+                                   "kernels in each of oneDNN's and ideep's caches, both keyed by shape (a packed "
+                                   "batch's new length every step fills their default 1024 entries: a bf16 learner's "
+                                   "memory in use grew 12-17 MB a step; a generator's decode batches of every size "
+                                   "added about 350 MB over 100 steps); an exported ONEDNN_PRIMITIVE_CACHE_CAPACITY / "
                                    "LRU_CACHE_CAPACITY wins; 0 = the libraries' defaults")
     ppo_epochs: int = _f(1, "passes over each batch")
     seed: int = _f(0, "seed of the learner and of python/numpy/torch RNGs")

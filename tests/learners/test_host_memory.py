@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from prorl_async.config import ConfigError, load_config
+from actors.cluster import generator_placement
 from actors.learner import learner_runtime_env
 from prorl_async.learners.host_memory import KERNEL_CACHE_ENV, kernel_cache_env, reuse_applies
 from prorl_async.machine import cpu_has_bf16
@@ -173,5 +174,11 @@ def test_kernel_cache_env_keeps_an_exported_capacity_and_leaves_a_gpu_learner_al
     cfg = load_config(None, [f"model.path={tiny_model}", "ray.omp_wait_policy=passive"])
     assert learner_runtime_env(cfg)["runtime_env"]["env_vars"] == {"OMP_WAIT_POLICY": "PASSIVE",
                                                                    "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}
+    # a CPU generator's process gets the same bound (its decode batch sizes are new shapes too); a GPU one not
+    role = {"PRORL_ASYNC_ROLE": "generator-0"}
+    assert generator_placement(cfg, 0)[0]["runtime_env"]["env_vars"] == {"OMP_WAIT_POLICY": "PASSIVE", **role,
+                                                                         "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}
+    gpu = load_config(None, [f"model.path={tiny_model}", "ray.omp_wait_policy=passive", "rollout.generator_num_gpus=1"])
+    assert generator_placement(gpu, 0)[0]["runtime_env"]["env_vars"] == {"OMP_WAIT_POLICY": "PASSIVE", **role}
     with pytest.raises(ConfigError, match="train.kernel_cache_entries"):
         load_config(None, [f"model.path={tiny_model}", "train.kernel_cache_entries=-1"])
