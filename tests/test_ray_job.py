@@ -276,14 +276,17 @@ PLACEMENT_SCRIPT = r"""
 import os
 import ray
 from prorl_async.config import load_config
+from prorl_async.learners.host_memory import kernel_cache_env
 from actors.cluster import RunError, generator_placement, learner_placement
 
 ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, logging_level="ERROR",
          _temp_dir=os.environ["PRORL_TEST_RAY_TMP"])
 try:
     opts, pg = generator_placement(load_config(None, ["rollout.generator_num_gpus=0"]), 0)
-    assert pg is None and opts == {"num_cpus": 1.0, "num_gpus": 0.0,  # and the role its worker's log file is named by
-                                   "runtime_env": {"env_vars": {"PRORL_ASYNC_ROLE": "generator-0"}}}, opts
+    # the role its worker's log file is named by, and (a CPU generator) its kernel caches' bound
+    kernels = kernel_cache_env(64, on_gpu=False)
+    assert kernels and pg is None and opts == {"num_cpus": 1.0, "num_gpus": 0.0, "runtime_env": {
+        "env_vars": {"PRORL_ASYNC_ROLE": "generator-0", **kernels}}}, opts
 
     opts, pg = generator_placement(load_config(None, ["rollout.generator_num_gpus=2"]), 0, timeout_s=60)
     table = ray.util.placement_group_table(pg)
