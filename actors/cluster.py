@@ -24,14 +24,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from prorl_async import console
 from prorl_async.config import Config
-from prorl_async.learners.host_memory import kernel_cache_env
-from prorl_async.machine import actor_runtime_env, with_env_vars
 from prorl_async.learners.core import NonFiniteStepError
 
 from actors.failures import Failure
 from actors.generator import GeneratorActor
 from actors.grader import GraderActor
-from actors.learner import start_learner
+from actors.learner import process_runtime_env, start_learner
 from actors.placement import placement_line
 from actors.replay_buffer import ReplayBufferActor
 
@@ -212,10 +210,8 @@ def generator_placement(cfg: Config, index: int, timeout_s: float = PLACEMENT_TI
     """
     r = cfg.rollout
     pinned = {"resources": r.generator_resources} if r.generator_resources else {}
-    env = actor_runtime_env(cfg)
-    kernels = kernel_cache_env(cfg.train.kernel_cache_entries, on_gpu=r.generator_num_gpus > 0)
     opts = console.with_role({"num_cpus": r.generator_num_cpus, "num_gpus": r.generator_num_gpus, **pinned,
-                              **(with_env_vars(env, kernels) if kernels else env)}, f"generator-{index}")
+                              **process_runtime_env(cfg, on_gpu=r.generator_num_gpus > 0)}, f"generator-{index}")
     if r.generator_num_gpus <= 1:
         return opts, None
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -272,14 +272,18 @@ class LearnerGroup:
         return self._all("load_checkpoint", path)
 
 
-def learner_runtime_env(cfg) -> dict:
-    """Ray options of a learner actor's process: :func:`actor_runtime_env` (``OMP_WAIT_POLICY``)
-    plus, for a CPU learner, the capacity of its oneDNN and ideep kernel caches
+def process_runtime_env(cfg, on_gpu: bool) -> dict:
+    """Ray options of a learner or generator actor's process: :func:`actor_runtime_env`
+    (``OMP_WAIT_POLICY``) plus, on a CPU, the capacity of its oneDNN and ideep kernel caches
     (:func:`prorl_async.learners.host_memory.kernel_cache_env`), both read when the process starts."""
     env = actor_runtime_env(cfg)
-    t = cfg.train
-    kernels = host_memory.kernel_cache_env(t.kernel_cache_entries, on_gpu=t.learner_num_gpus > 0)
+    kernels = host_memory.kernel_cache_env(cfg.train.kernel_cache_entries, on_gpu=on_gpu)
     return with_env_vars(env, kernels) if kernels else env
+
+
+def learner_runtime_env(cfg) -> dict:
+    """:func:`process_runtime_env` of the run's learner."""
+    return process_runtime_env(cfg, on_gpu=cfg.train.learner_num_gpus > 0)
 
 
 def start_learner(cfg, model_path: str, name: str = "", placement_group=None):

@@ -17,7 +17,7 @@ metrics, held-out pass@1 / pass@k, and what a set's answers alone score.
 from __future__ import annotations
 
 import os
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any, Iterable
 
 CORRECT_TOL = 1e-6
@@ -133,9 +133,7 @@ def answer_prior(rows: Iterable[dict], k: int) -> dict[str, float]:
     for dom, golds in answers.items():
         if len(golds) < 2:
             continue
-        counts: dict[str, int] = defaultdict(int)
-        for g in golds:
-            counts[g] += 1
+        counts = Counter(golds)
         per_prompt = []
         for g in golds:
             others = {a: c - (a == g) for a, c in counts.items()}
