@@ -91,7 +91,8 @@ def save(loop, reason: str) -> Optional[Path]:
         return {"version": s.version, "reason": reason, "groups_consumed": s.consumed,
                 "prompts_drawn": loop.source.consumed, "buffered_groups": s.buffered}
 
-    path = checkpoint.save(loop.run_dir, s.version, write, keep_last=cfg.train.keep_last)
+    path = checkpoint.save(loop.run_dir, s.version, write, keep_last=cfg.train.keep_last,
+                           interval=cfg.train.checkpoint_interval)
     s.checkpointed, s.checkpoint_t = s.version, time.time()
     write_history(loop.run_dir / HISTORY, s.history)  # the run directory's history follows the checkpoints
     print(f"checkpoint {path} ({reason}, {time.time() - t0:.1f}s)", flush=True)

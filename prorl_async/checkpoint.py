@@ -147,8 +147,8 @@ def _manifest(tmp: Path, step: int, extra: dict) -> dict:
     return {"format": 1, "step": step, "created": time.time(), **extra, "files": dict(sorted(files.items()))}
 
 
-def commit(run_dir, tmp: Path, step: int, keep_last: int, extra: Optional[dict] = None) -> Path:
-    """Seal ``tmp`` as checkpoint ``step``: manifest, fsync, rename, ``latest``, prune."""
+def commit(run_dir, tmp: Path, step: int, keep_last: int, extra: Optional[dict] = None, interval: int = 0) -> Path:
+    """Seal ``tmp`` as checkpoint ``step``: manifest, fsync, rename, ``latest``, prune (``interval``: see :func:`prune`)."""
     root = checkpoints_dir(run_dir)
     tmp = Path(tmp)
     manifest = _manifest(tmp, step, extra or {})
@@ -165,11 +165,11 @@ def commit(run_dir, tmp: Path, step: int, keep_last: int, extra: Optional[dict] 
     atomic_write_text(root / LATEST, final.name + "\n")
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    prune(run_dir, keep_last)
+    prune(run_dir, keep_last, interval)
     return final
 
 
-def save(run_dir, step: int, write: Callable[[Path], Optional[dict]], keep_last: int = 2) -> Path:
+def save(run_dir, step: int, write: Callable[[Path], Optional[dict]], keep_last: int = 2, interval: int = 0) -> Path:
     """``write(tmp_dir)`` fills a temp directory (may return manifest extras); then :func:`commit`."""
     tmp = begin(run_dir, step)
     try:
@@ -177,7 +177,7 @@ def save(run_dir, step: int, write: Callable[[Path], Optional[dict]], keep_last:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return commit(run_dir, tmp, step, keep_last, extra)
+    return commit(run_dir, tmp, step, keep_last, extra, interval)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -228,14 +228,22 @@ def _reason(ckpt: Path) -> str:
         return ""
 
 
-def prune(run_dir, keep_last: int) -> list[str]:
+def _step_of(ckpt: Path) -> int:
+    m = _STEP_RE.match(ckpt.name)
+    return int(m.group(1)) if m else -1
+
+
+def prune(run_dir, keep_last: int, interval: int = 0) -> list[str]:
     """Keep the newest ``keep_last`` checkpoints (never the one ``latest`` names). A timed one
     (``train.checkpoint_every_s``, reason "timed") is a safety net: it goes once a newer checkpoint
-    exists, so the interval checkpoints kept for evaluation are not crowded out."""
+    exists, so the interval checkpoints kept for evaluation are not crowded out -- unless its step
+    is a multiple of ``interval`` (``train.checkpoint_interval``): the timer fired a step early and
+    the barrier landed the interval step, which stays like any interval checkpoint."""
     root = checkpoints_dir(run_dir)
     latest = _read_latest(root)
     ckpts = list_checkpoints(run_dir)
-    superseded = [p for p in ckpts[:-1] if _reason(p) == "timed"]
+    superseded = [p for p in ckpts[:-1]
+                  if _reason(p) == "timed" and not (interval > 0 and _step_of(p) % interval == 0)]
     ckpts = [p for p in ckpts if p not in superseded]
     doomed = superseded + (ckpts[:-keep_last] if keep_last > 0 else ckpts)
     removed = []

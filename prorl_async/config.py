@@ -165,7 +165,7 @@ class TrainConfig:
     stop_at: str = _f("", "stop once a periodic evaluation reaches METRIC OP NUMBER (e.g. val/pass@1>=0.9; OP >=, <=, >, <), with the checkpoint and final/ written; empty = off")
     record_rollouts: bool = _f(True, "the ledger of every trained token: per step, RUN_DIR/ledger/step-N.parquet with the rows the learner trained on (token ids, versions, behaviour / learner / reference logprobs, importance weights, advantages, rewards, verdicts), what `prorl-async replay` and `prorl-async ledger` read; 0.74 % of a tiny default step (benchmarks/RESULTS.md)")
     checkpoint_interval: int = _f(0, "checkpoint every N steps (0 = only at the end)")
-    checkpoint_every_s: float = _f(0.0, "also checkpoint at the first step end once this many seconds passed since the newest checkpoint (or the loop's start): a machine killed without a SIGTERM loses at most this much; a timed checkpoint is removed once a newer one exists; 0 = off")
+    checkpoint_every_s: float = _f(0.0, "also checkpoint at the first step end once this many seconds passed since the newest checkpoint (or the loop's start): a machine killed without a SIGTERM loses at most this much; a timed checkpoint is removed once a newer one exists, unless its step is a multiple of checkpoint_interval; 0 = off")
     keep_last: int = _f(2, "checkpoints kept")
     learner_num_cpus: float = _f(1.0, "CPUs Ray reserves for the learner")
     learner_num_gpus: float = _f(0.0, "GPUs Ray reserves for the learner")

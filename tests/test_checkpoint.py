@@ -48,13 +48,13 @@ def _run_dir(tmp_path: Path) -> Path:
     return d
 
 
-def _save(run_dir: Path, step: int, keep_last: int = 2, reason: str = "interval") -> Path:
+def _save(run_dir: Path, step: int, keep_last: int = 2, reason: str = "interval", interval: int = 0) -> Path:
     def write(tmp: Path) -> dict:
         (tmp / "config.yaml").write_text((run_dir / "config.yaml").read_text())
         (tmp / "payload.txt").write_text(f"step {step}\n")
         return {"version": step, "reason": reason}
 
-    return checkpoint.save(run_dir, step, write, keep_last=keep_last)
+    return checkpoint.save(run_dir, step, write, keep_last=keep_last, interval=interval)
 
 
 def test_save_prune_latest(tmp_path):
@@ -87,6 +87,23 @@ def test_timed_checkpoints_go_once_a_newer_one_exists(tmp_path):
     _save(run_dir, 100, keep_last=3)
     assert names() == ["step-000050", "step-000075", "step-000100"]  # keep_last counts interval ones
     assert checkpoint.load_latest(run_dir).step == 100
+
+
+def test_a_timed_checkpoint_at_an_interval_step_stays(tmp_path):
+    """The timer fires while step 50 trains; the barrier lands step 50 and it is saved as "timed".
+    With ``interval`` (train.checkpoint_interval) it stays like an interval checkpoint; a timed one
+    between interval steps still goes."""
+    run_dir = _run_dir(tmp_path)
+    root = run_dir / "checkpoints"
+    names = lambda: sorted(p.name for p in root.iterdir() if p.name != "latest")  # noqa: E731
+    _save(run_dir, 25, keep_last=3, interval=25)
+    _save(run_dir, 50, keep_last=3, reason="timed", interval=25)
+    _save(run_dir, 63, keep_last=3, reason="timed", interval=25)
+    _save(run_dir, 75, keep_last=3, interval=25)
+    assert names() == ["step-000025", "step-000050", "step-000075"]
+    assert json.loads((root / "step-000050" / "manifest.json").read_text())["reason"] == "timed"
+    _save(run_dir, 100, keep_last=3, interval=25)
+    assert names() == ["step-000050", "step-000075", "step-000100"]  # and keep_last counts it
 
 
 def test_load_latest_ignores_temp_dirs_and_partial_dirs(tmp_path):
