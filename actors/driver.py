@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import ray
 
+from prorl_async.algo.reference import reset_line
 from prorl_async.buffer import PutResult
 from prorl_async.config import Config, config_to_dict, save_config
 from prorl_async.console import ActorWarnings, quiet_driver
@@ -246,6 +247,8 @@ class TrainingLoop:
         m["perf/tracking_s"], s.tracking_s = self.tracker.seconds - s.tracking_s, self.tracker.seconds
         s.history.append({"step": s.version, "time": now - s.t_start, **m})
         print(progress_line(s.version, self.cfg.train.total_steps, m, s.t_start), flush=True)
+        if line := reset_line(s.version, m, self.cfg.algo.ref_reset_optimizer):
+            print(line, flush=True)
         for line in self.actor_warnings.poll(self.actors.all()):
             print(line, file=sys.stderr, flush=True)
 
@@ -270,6 +273,8 @@ class TrainingLoop:
         print(f"held-out at step {s.version}: " + "  ".join(
             f"{k.removeprefix('val/')} {v:.3f}" for k, v in val.items()
             if k.startswith("val/pass@") and k.count("/") == 1), flush=True)  # overall; per domain in Aim
+        if line := reset_line(s.version, reset, self.cfg.algo.ref_reset_optimizer):
+            print(line, flush=True)
         self.observe_evaluation(val, s.version, periodic=True)
         if isinstance(self.source, Curriculum):
             print(self.source.table(f"curriculum at step {s.version}"), flush=True)

@@ -36,6 +36,9 @@ def test_each_reference_reset_cause_in_a_real_run(tmp_path, model_cache, cause):
             assert h["ref/reset"] == 1.0 and h["actor/optimizer_state_params"] == 0.0
         elif not any(h.get(f"ref/reset_{c}") for c in RESETS):
             assert h["actor/optimizer_state_params"] > 0.0
+    shown = [line for line in res.stdout.splitlines() if line.startswith("reference reset at step")]
+    assert shown == [f"reference reset at step {s} ({cause}): the reference and optimizer state restart from "
+                     f"this step's policy" for s in reset_steps], shown
     if cause == "interval":  # every 3 policy versions: after the 3rd and the 6th update
         assert reset_steps == [3, 6]
     if cause == "val_stall":  # step 2 repeats the score before training; after the reset, step 4 is a new best

@@ -33,9 +33,19 @@ import math
 from collections import deque
 from typing import Any, Deque, Dict, Mapping, Optional
 
-__all__ = ["RESET_CAUSES", "ReferenceResetPolicy"]
+__all__ = ["RESET_CAUSES", "ReferenceResetPolicy", "reset_line"]
 
 RESET_CAUSES = ("interval", "kl_spike", "val_stall")
+
+
+def reset_line(step: int, metrics: Mapping[str, Any], optimizer: bool) -> Optional[str]:
+    """The console's line for a reset among a step's (or an evaluation's) metrics
+    (``ref/reset_<cause>``), else None."""
+    causes = [c for c in RESET_CAUSES if metrics.get(f"ref/reset_{c}")]
+    if not causes:
+        return None
+    what = "reference and optimizer state" if optimizer else "reference"
+    return f"reference reset at step {step} ({', '.join(causes)}): the {what} restart from this step's policy"
 
 
 def _enabled(x: Optional[float]) -> bool:
