@@ -1,0 +1,31 @@
+"""``scripts/rss_table.py``: each actor's resident size in two windows of a run's history."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_rss_table_reads_growth_by_median_and_idle_minimum(tmp_path):
+    history = []
+    for step in range(1, 41):  # the generator grows 5 MB a step; the learner swings idle/busy without growing
+        history.append({"step": step, "sys/rss_mb/generator0": 1000.0 + 5 * step,
+                        "sys/rss_mb/learner": 3000.0 if step % 2 else 7000.0, "reward/mean": 0.5})
+    (tmp_path / "history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+    res = subprocess.run([sys.executable, "scripts/rss_table.py", str(tmp_path), "--windows", "1-10", "31-40"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = res.stdout.splitlines()
+    assert lines[0] == "| actor | median 1-10 | median 31-40 | change | min 1-10 | min 31-40 | change |"
+    assert "| generator0 | 1028 | 1178 | +150 | 1005 | 1155 | +150 |" in lines
+    assert "| learner | 5000 | 5000 | +0 | 3000 | 3000 | +0 |" in lines
+    default = subprocess.run([sys.executable, "scripts/rss_table.py", str(tmp_path)], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
+    assert default.returncode == 0 and "| median 21-40 | median 21-40 |" in default.stdout
+    bad = subprocess.run([sys.executable, "scripts/rss_table.py", str(tmp_path), "--windows", "50-60", "1-10"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "no sys/rss_mb/* readings in steps 50-60" in bad.stderr
