@@ -325,21 +325,46 @@ def config_to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def _read_config_file(path: str, named_by: tuple[Path, ...] = ()) -> dict:
+    """A config file's sections; a top-level ``base: OTHER.yaml`` (relative to the file) is read
+    first and this file's settings go over it, section by section and key by key (a list or a
+    string, such as ``data.train``, is replaced whole)."""
+    p = Path(path)
+    where = f"config file {path!r}" + (f" (the base of {str(named_by[-1])!r})" if named_by else "")
+    if not p.is_file():
+        raise ConfigError(f"{where} does not exist; " + ("name an existing file there (a base is a path relative to "
+                          "the file that names it)" if named_by else "pass an existing YAML file to --config"))
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must hold a mapping of sections, got {type(data).__name__}")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{where}: base must name another config file (a path relative to this one), got {base!r}")
+    chain = (*named_by, p.resolve())
+    base_path = p.parent / base
+    if base_path.resolve() in chain:
+        raise ConfigError(f"{where}: base {base!r} is a cycle ({' -> '.join(c.name for c in chain)} -> "
+                          f"{base_path.name}); one of them must not name a base")
+    return _merge_sections(_read_config_file(str(base_path), chain), data)
+
+
+def _merge_sections(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge_sections(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None,
                 machine: Optional[MachineFacts] = None) -> Config:
     """YAML file (optional) + dotted overrides -> validated :class:`Config`, its ``auto``
     settings resolved for ``machine`` (default: this process's, probed here)."""
-    data: dict = {}
-    if path:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {path!r} does not exist; pass an existing YAML file to --config")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path!r} is not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {path!r} must hold a mapping of sections, got {type(data).__name__}")
+    data: dict = _read_config_file(path) if path else {}
     for item in overrides or []:
         keys, value = _parse_override(item)
         node = data

@@ -138,3 +138,25 @@ def test_impossible_gpu_layouts_are_one_error_naming_the_fields(overrides, field
         "auto-colocated", "ipc-colocated", "ipc-tp-on-cpu", "nccl-tensor-parallel"])
 def test_the_layouts_beside_the_impossible_ones_still_validate(overrides):
     load_config(None, overrides)
+
+
+def test_a_config_file_can_start_from_a_base_file(tmp_path):
+    """``base: OTHER.yaml`` (relative to the file): the base's settings, with this file's over them
+    key by key; a chain of bases; one error for a missing base or a cycle."""
+    (tmp_path / "parts").mkdir()
+    (tmp_path / "parts" / "root.yaml").write_text("algo:\n  kl_coef: 0.01\n  clip_eps_high: 0.27\ntrain:\n  lr: 0.001\n  total_steps: 7\n")
+    (tmp_path / "parts" / "mid.yaml").write_text("base: root.yaml\ntrain:\n  total_steps: 9\n")
+    (tmp_path / "top.yaml").write_text("base: parts/mid.yaml\nalgo:\n  clip_eps_high: 0.4\n")
+    cfg = load_config(str(tmp_path / "top.yaml"), ["train.lr=0.002"])
+    assert (cfg.algo.clip_eps_high, cfg.algo.kl_coef, cfg.train.total_steps, cfg.train.lr) == (0.4, 0.01, 9, 0.002)
+    assert load_config(str(tmp_path / "parts" / "root.yaml")).algo.clip_eps_high == 0.27  # the base itself unchanged
+    (tmp_path / "gone.yaml").write_text("base: nowhere.yaml\n")
+    with pytest.raises(ConfigError, match=r"nowhere.yaml' \(the base of .*gone.yaml'\) does not exist"):
+        load_config(str(tmp_path / "gone.yaml"))
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(ConfigError, match=r"is a cycle \(a.yaml -> b.yaml -> a.yaml\)"):
+        load_config(str(tmp_path / "a.yaml"))
+    (tmp_path / "num.yaml").write_text("base: 3\n")
+    with pytest.raises(ConfigError, match="base must name another config file"):
+        load_config(str(tmp_path / "num.yaml"))
