@@ -212,13 +212,17 @@ def clean_stale(run_dir) -> list[str]:
     return removed
 
 
-def list_checkpoints(run_dir) -> list[Path]:
-    """Complete checkpoint directories, oldest first (temp directories are never listed)."""
+def _numbered(run_dir) -> list[tuple[int, Path]]:
+    """(step, directory) of each checkpoint directory, oldest first (temp directories never match)."""
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_RE.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found)]
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_RE.match(p.name)) and p.is_dir())
+
+
+def list_checkpoints(run_dir) -> list[Path]:
+    """Complete checkpoint directories, oldest first (temp directories are never listed)."""
+    return [p for _, p in _numbered(run_dir)]
 
 
 def _reason(ckpt: Path) -> str:
@@ -226,11 +230,6 @@ def _reason(ckpt: Path) -> str:
         return str(json.loads((ckpt / MANIFEST).read_text()).get("reason", ""))
     except (OSError, ValueError):
         return ""
-
-
-def _step_of(ckpt: Path) -> int:
-    m = _STEP_RE.match(ckpt.name)
-    return int(m.group(1)) if m else -1
 
 
 def prune(run_dir, keep_last: int, interval: int = 0) -> list[str]:
@@ -241,9 +240,10 @@ def prune(run_dir, keep_last: int, interval: int = 0) -> list[str]:
     the barrier landed the interval step, which stays like any interval checkpoint."""
     root = checkpoints_dir(run_dir)
     latest = _read_latest(root)
-    ckpts = list_checkpoints(run_dir)
-    superseded = [p for p in ckpts[:-1]
-                  if _reason(p) == "timed" and not (interval > 0 and _step_of(p) % interval == 0)]
+    numbered = _numbered(run_dir)
+    ckpts = [p for _, p in numbered]
+    superseded = [p for step, p in numbered[:-1]
+                  if _reason(p) == "timed" and not (interval > 0 and step % interval == 0)]
     ckpts = [p for p in ckpts if p not in superseded]
     doomed = superseded + (ckpts[:-keep_last] if keep_last > 0 else ckpts)
     removed = []
