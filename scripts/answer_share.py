@@ -46,12 +46,19 @@ def shares(run_dir: Path, window: int, domains: str = "") -> dict[str, dict[int,
     return out
 
 
+def _cell(answer: str, width: int = 24) -> str:
+    """An answer as a table cell: on one line, no column break, at most ``width`` characters (a
+    rambling sample's "answer" can be a paragraph)."""
+    flat = " ".join(answer.split()).replace("|", "\\|")
+    return flat if len(flat) <= width else flat[:width - 3] + "..."
+
+
 def table(found: dict[str, dict[int, tuple[str, float, int]]], window: int) -> str:
     starts = sorted({s for by_window in found.values() for s in by_window})
     head = "| pool | " + " | ".join(f"steps {s}-{s + window - 1}" for s in starts) + " |"
     lines = [head, "|---" * (len(starts) + 1) + "|"]
     for dom, by_window in found.items():
-        cells = [f'"{by_window[s][0]}" {by_window[s][1]:.2f} (n={by_window[s][2]})' if s in by_window else "-"
+        cells = [f'"{_cell(by_window[s][0])}" {by_window[s][1]:.2f} (n={by_window[s][2]})' if s in by_window else "-"
                  for s in starts]
         lines.append(f"| {dom} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

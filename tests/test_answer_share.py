@@ -34,6 +34,18 @@ def test_answer_share_shows_a_pool_collapsing_onto_one_answer(tmp_path):
                                        '| rg:gcd@easy | "2" 0.67 (n=6) | "1" 1.00 (n=8) |']
 
 
+def test_a_long_answer_is_one_short_cell_that_keeps_the_table_whole(tmp_path):
+    run = tmp_path / "run"
+    ramble = "The answer is 3 | or 4, except when the letters are counted twice over and over"
+    _step(run, 1, [("rg:letter_counting@easy", ramble)] * 3 + [("rg:letter_counting@easy", "The answer is 2.")])
+    res = subprocess.run([sys.executable, "scripts/answer_share.py", str(run), "--window", "5"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    row = res.stdout.splitlines()[2]
+    assert row == '| rg:letter_counting@easy | "3 \\| or 4, except whe..." 0.75 (n=4) |', row
+    assert row.replace("\\|", "").count("|") == 3  # pool and one window: no column added by the answer
+
+
 def test_answer_share_without_a_ledger_is_one_clear_error(tmp_path):
     res = subprocess.run([sys.executable, "scripts/answer_share.py", str(tmp_path)], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
