@@ -241,10 +241,9 @@ def prune(run_dir, keep_last: int, interval: int = 0) -> list[str]:
     root = checkpoints_dir(run_dir)
     latest = _read_latest(root)
     numbered = _numbered(run_dir)
-    ckpts = [p for _, p in numbered]
     superseded = [p for step, p in numbered[:-1]
                   if _reason(p) == "timed" and not (interval > 0 and step % interval == 0)]
-    ckpts = [p for p in ckpts if p not in superseded]
+    ckpts = [p for _, p in numbered if p not in superseded]
     doomed = superseded + (ckpts[:-keep_last] if keep_last > 0 else ckpts)
     removed = []
     for p in doomed:
