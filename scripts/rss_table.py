@@ -5,8 +5,13 @@
 Reads ``RUN_DIR/history.jsonl`` (``sys/rss_mb/<actor>``: driver, buffer, learner, generatorN, one
 reading per step) and prints, per actor, the median and the minimum of each window and their
 change. An actor that alternates between an idle and a busy size (the learner: a step's
-activations) is read by its minimum, the idle size; the median of a window mixes the two modes.
-The default windows are the first steps after warm-up and the last 20 recorded. No model, no Ray.
+activations; a generator caught mid-receive or mid-batch) is read by its minimum, the idle size,
+and the median of a window mixes the two modes: it moves with how often the readings caught the
+actor busy, not with what it holds. So a second table splits such an actor's readings into its two
+modes and gives each mode's median per window: the split is the widest gap between the sorted
+readings of both windows that is at least ``--gap`` MB (default 200, the growth the run's bound
+allows) with at least a fifth of the readings on each side. The default windows are the first
+steps after warm-up and the last 20 recorded. No model, no Ray.
 """
 
 from __future__ import annotations
@@ -48,11 +53,45 @@ def table(history: list[dict], first: tuple[int, int], last: tuple[int, int]) ->
     return "\n".join(lines)
 
 
+def split(values: list[float], gap: float) -> float | None:
+    """The size between an actor's two modes: the middle of the widest gap of at least ``gap`` MB
+    between consecutive sorted readings with at least a fifth of them on each side; None if none."""
+    v = sorted(values)
+    least = max(1, len(v) // 5)
+    gaps = [(v[i + 1] - v[i], i) for i in range(least - 1, len(v) - least)]
+    widest, i = max(gaps, default=(0.0, 0))
+    return (v[i] + v[i + 1]) / 2 if widest >= gap else None
+
+
+def modes(history: list[dict], first: tuple[int, int], last: tuple[int, int], gap: float) -> str:
+    """Per actor with two modes: each mode's median in each window and its change ('-': the window
+    never caught that mode)."""
+    a, b = readings(history, *first), readings(history, *last)
+    f, l_ = f"{first[0]}-{first[1]}", f"{last[0]}-{last[1]}"
+    lines = [f"| actor | split | idle median {f} | idle median {l_} | change | busy median {f} | busy median {l_} | change |",
+             "|---|---|---|---|---|---|---|---|"]
+    for actor in sorted(set(a) & set(b)):
+        at = split(a[actor] + b[actor], gap)
+        if at is None:
+            continue
+        cells = []
+        for side in (lambda x: x < at, lambda x: x >= at):
+            ma, mb = ([x for x in w[actor] if side(x)] for w in (a, b))
+            med = [statistics.median(m) if m else None for m in (ma, mb)]
+            cells += [f"{m:.0f}" if m is not None else "-" for m in med]
+            cells.append(f"{med[1] - med[0]:+.0f}" if None not in med else "-")
+        lines.append(f"| {actor} | {at:.0f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--windows", nargs=2, metavar=("FIRST", "LAST"), help="two step ranges, e.g. 21-40 181-200 "
                     "(default: 21-40 and the last 20 recorded steps)")
+    ap.add_argument("--gap", type=float, default=200.0, metavar="MB",
+                    help="the least gap between an actor's idle and busy readings that splits them into two modes "
+                         "(default 200)")
     args = ap.parse_args(argv)
     path = args.run_dir / "history.jsonl"
     if not path.is_file():
@@ -66,6 +105,10 @@ def main(argv=None) -> int:
     if not readings(history, *first) or not readings(history, *last):
         ap.error(f"no sys/rss_mb/* readings in steps {first[0]}-{first[1]} or {last[0]}-{last[1]} of {path}")
     print(table(history, first, last))
+    two = modes(history, first, last, args.gap)
+    if two:
+        print(f"\ntwo modes (split at the widest gap of at least {args.gap:.0f} MB with a fifth of the readings "
+              "on each side):\n" + two)
     return 0
 
 

@@ -23,9 +23,36 @@ def test_rss_table_reads_growth_by_median_and_idle_minimum(tmp_path):
     assert lines[0] == "| actor | median 1-10 | median 31-40 | change | min 1-10 | min 31-40 | change |"
     assert "| generator0 | 1028 | 1178 | +150 | 1005 | 1155 | +150 |" in lines
     assert "| learner | 5000 | 5000 | +0 | 3000 | 3000 | +0 |" in lines
+    # the learner's two modes, each flat; the generator's steady growth is one mode (no gap of 200 MB)
+    assert "| learner | 5000 | 3000 | 3000 | +0 | 7000 | 7000 | +0 |" in lines
+    assert not any(line.startswith("| generator0 | 1") for line in lines[lines.index("|---|---|---|---|---|---|---|---|"):])
     default = subprocess.run([sys.executable, "scripts/rss_table.py", str(tmp_path)], cwd=REPO,
                              capture_output=True, text=True, timeout=120)
     assert default.returncode == 0 and "| median 21-40 | median 21-40 |" in default.stdout
     bad = subprocess.run([sys.executable, "scripts/rss_table.py", str(tmp_path), "--windows", "50-60", "1-10"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "no sys/rss_mb/* readings in steps 50-60" in bad.stderr
+
+
+def test_rss_table_reads_an_actor_with_two_modes_by_each_modes_median(tmp_path):
+    """A generator caught busy (+800 MB) in 3 of 10 steps at the start and 8 of 10 at the end: its median
+    jumps ~800 MB with nothing held more; each mode's median reads the growth (here +0 idle, +30 busy)."""
+    history = []
+    for step in range(1, 41):
+        busy = (step % 10 < 3) if step <= 10 else (step % 10 < 8)
+        history.append({"step": step, "sys/rss_mb/generator0": (3430.0 + 30 * (step > 30)) if busy else 2600.0,
+                        "sys/rss_mb/buffer": 330.0 + step % 3})
+    (tmp_path / "history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+    res = subprocess.run([sys.executable, "scripts/rss_table.py", str(tmp_path), "--windows", "1-10", "31-40"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = res.stdout.splitlines()
+    assert "| generator0 | 2600 | 3460 | +860 | 2600 | 2600 | +0 |" in lines  # the median mixes the modes
+    assert ("| actor | split | idle median 1-10 | idle median 31-40 | change | busy median 1-10 | busy median 31-40 "
+            "| change |") in lines
+    assert "| generator0 | 3015 | 2600 | 2600 | +0 | 3430 | 3460 | +30 |" in lines
+    assert not any(line.startswith("| buffer | 3") for line in lines[lines.index("|---|---|---|---|---|---|---|---|"):])
+    # a wider --gap than the modes' distance reads one mode
+    one = subprocess.run([sys.executable, "scripts/rss_table.py", str(tmp_path), "--windows", "1-10", "31-40",
+                          "--gap", "1000"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert one.returncode == 0 and "two modes" not in one.stdout, one.stdout
