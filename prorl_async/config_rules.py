@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prorl_async.algo import ADVANTAGE_ESTIMATORS, IS_MODES, KL_KINDS, OVERLONG_MODES
+from prorl_async.algo.choices import ADVANTAGE_NAMES, IS_MODES, KL_KINDS, OVERLONG_MODES
 from prorl_async.selection import MODES as KEEP_BEST_MODES, check_metric, parse_stop_at
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ class ConfigError(ValueError):
 
 
 def _one_of(value, choices, key: str) -> None:
-    """``value`` must be one of ``choices`` (the names :mod:`prorl_async.algo` exports)."""
+    """``value`` must be one of ``choices`` (the names of :mod:`prorl_async.algo.choices` and the like)."""
     names = list(choices)
     _require(value in names, key, f"must be {', '.join(names[:-1])} or {names[-1]}, got {value!r}")
 
@@ -93,7 +93,7 @@ def validate(cfg: Config) -> None:
     _require(t.reuse_freed_memory_gb >= 0, "train.reuse_freed_memory_gb",
              f"must be >= 0 (0 = hand freed memory back after every step), got {t.reuse_freed_memory_gb}")
     _require(t.logprob_chunk_tokens >= 1, "train.logprob_chunk_tokens", f"must be >= 1, got {t.logprob_chunk_tokens}")
-    _one_of(a.advantage, ADVANTAGE_ESTIMATORS, "algo.advantage")
+    _one_of(a.advantage, ADVANTAGE_NAMES, "algo.advantage")
     _one_of(a.is_mode, IS_MODES, "algo.is_mode")
     _one_of(a.kl_kind, KL_KINDS, "algo.kl_kind")
     _require(a.clip_eps_low >= 0 and a.clip_eps_high >= 0, "algo.clip_eps_low",

@@ -17,39 +17,74 @@ sources and lists where the code deviates from them:
   the LM head in token chunks (never the tokens x vocab fp32 logits).
 * :mod:`~prorl_async.algo.mismatch` -- training/inference logprob mismatch (k3 KL, |delta logprob|,
   importance-weight band), measured every step.
+* :mod:`~prorl_async.algo.choices` -- the names a config chooses among, without torch.
+
+The names below load their module on first use (PEP 562): a process that reads only a config or
+counts groups (the grader, the replay buffer) imports :mod:`~prorl_async.algo.choices` or
+:mod:`~prorl_async.algo.sampling` and never torch, which costs each such actor about 5 s of CPU at
+start-up on a 2-core machine and ~200 MB resident.
 """
 
-from .advantages import (
-    ADVANTAGE_ESTIMATORS,
-    advantage_metrics,
-    compute_advantages,
-    grpo,
-    reinforce_pp_baseline,
-    rloo,
-    whiten,
-    whitening_stats,
-)
-from .losses import (
-    IS_MODES,
-    KL_KINDS,
-    entropy_from_logits,
-    kl_penalty,
-    logprobs_from_logits,
-    masked_mean,
-    policy_loss,
-)
-from .mismatch import mismatch, mismatch_metrics, mismatch_stats
-from .reference import RESET_CAUSES, ReferenceResetPolicy
-from .sampling import DynamicSamplingCollector, informative_groups
-from .shaping import (
-    OVERLONG_MODES,
-    LengthPenaltySchedule,
-    cosine_length_reward,
-    filter_overlong,
-    shape_rewards,
-    soft_overlong_penalty,
-)
-from .token_logprobs import token_logprobs
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .advantages import (
+        ADVANTAGE_ESTIMATORS,
+        advantage_metrics,
+        compute_advantages,
+        grpo,
+        reinforce_pp_baseline,
+        rloo,
+        whiten,
+        whitening_stats,
+    )
+    from .losses import (
+        IS_MODES,
+        KL_KINDS,
+        entropy_from_logits,
+        kl_penalty,
+        logprobs_from_logits,
+        masked_mean,
+        policy_loss,
+    )
+    from .mismatch import mismatch, mismatch_metrics, mismatch_stats
+    from .reference import RESET_CAUSES, ReferenceResetPolicy
+    from .sampling import DynamicSamplingCollector, informative_groups
+    from .shaping import (
+        OVERLONG_MODES,
+        LengthPenaltySchedule,
+        cosine_length_reward,
+        filter_overlong,
+        shape_rewards,
+        soft_overlong_penalty,
+    )
+    from .token_logprobs import token_logprobs
+
+_HOME = {name: module for module, names in {
+    "advantages": ("ADVANTAGE_ESTIMATORS", "advantage_metrics", "compute_advantages", "grpo", "reinforce_pp_baseline",
+                   "rloo", "whiten", "whitening_stats"),
+    "losses": ("IS_MODES", "KL_KINDS", "entropy_from_logits", "kl_penalty", "logprobs_from_logits", "masked_mean",
+               "policy_loss"),
+    "mismatch": ("mismatch", "mismatch_metrics", "mismatch_stats"),
+    "reference": ("RESET_CAUSES", "ReferenceResetPolicy"),
+    "sampling": ("DynamicSamplingCollector", "informative_groups"),
+    "shaping": ("OVERLONG_MODES", "LengthPenaltySchedule", "cosine_length_reward", "filter_overlong", "shape_rewards",
+                "soft_overlong_penalty"),
+    "token_logprobs": ("token_logprobs",),
+}.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

@@ -70,6 +70,7 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 
 from ._checks import check_finite, check_shape, valid_positions
+from .choices import IS_MODES, KL_KINDS
 
 __all__ = [
     "IS_MODES",
@@ -81,8 +82,6 @@ __all__ = [
     "policy_loss",
 ]
 
-IS_MODES = ("tis", "icepop", "none")
-KL_KINDS = ("k1", "k2", "k3")
 _LOG_RATIO_CLAMP = 20.0
 
 NumTokens = Optional[Union[int, float, torch.Tensor]]

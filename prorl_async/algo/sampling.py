@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Any, Deque, Dict, Hashable, List, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Deque, Dict, Hashable, List, Mapping, Optional, Sequence
 
-import torch
-
-from ._checks import check_finite, check_ndim, check_shape, sample_mask
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DynamicSamplingCollector", "GROUP_COUNTS", "group_counts", "informative_groups", "uninformative_reason"]
 
@@ -44,6 +43,10 @@ def informative_groups(
     group: every response of an informative group is True (invalid ones included -- mask
     those separately), every response of an uninformative group False.
     """
+    import torch  # here, not above: the replay buffer counts groups from this module without torch
+
+    from ._checks import check_finite, check_ndim, check_shape, sample_mask
+
     fn = "informative_groups"
     check_ndim(fn, "rewards", rewards, 1)
     n = rewards.shape[0]

@@ -54,6 +54,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 import torch
 
 from ._checks import check_finite, check_ndim, check_shape, sample_mask, valid_positions
+from .choices import OVERLONG_MODES
 
 __all__ = [
     "LengthPenaltySchedule",
@@ -64,7 +65,6 @@ __all__ = [
     "soft_overlong_penalty",
 ]
 
-OVERLONG_MODES = ("none", "filter", "soft", "zero")
 Pair = Tuple[float, float]
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
 VARLEN_SDPA = "prorl_varlen_sdpa"
 
 
-@torch.compiler.disable
 def varlen_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                           dropout: float = 0.0, scaling: Optional[float] = None, cu_seq_lens_q=None, **kwargs):
     """Causal attention of a packed row, each sequence attending to itself only.
@@ -55,7 +55,8 @@ def varlen_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value:
     the output of one path through it; gradients of a shared key / value add up over the paths
     that attend to it.
     Returns ``([1, N, heads, d], None)`` as transformers' sdpa function does. Never traced by
-    ``torch.compile`` (``train.compile``): its index plan is host-side numpy keyed by the
+    ``torch.compile`` (``train.compile``; :func:`register_varlen_sdpa` registers it behind
+    ``torch.compiler.disable``): its index plan is host-side numpy keyed by the
     sequence boundaries, which a compiled graph would specialise on (a recompilation for every
     new packing); a compiled decoder layer runs the graphs before and after it."""
     if attention_mask is not None:
@@ -299,12 +300,21 @@ def _no_mask(*args, **kwargs):
     return None  # varlen attention cuts sequences itself: no N x N mask is built
 
 
+@functools.cache
+def _not_traced():
+    return torch.compiler.disable(varlen_sdpa_attention)
+
+
 def register_varlen_sdpa() -> str:
-    """Register :func:`varlen_sdpa_attention` with transformers (idempotent); returns its name."""
+    """Register :func:`varlen_sdpa_attention` with transformers (idempotent); returns its name.
+    Behind ``torch.compiler.disable`` once ``torch._dynamo`` is loaded (a compiled learner loads it
+    when it compiles, before its first step): decorating at import would load dynamo (~1.7 s of CPU)
+    into every process that imports this module, the driver's and an eager learner's included."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention)
+    fn = _not_traced() if "torch._dynamo" in sys.modules else varlen_sdpa_attention
+    AttentionInterface.register(VARLEN_SDPA, fn)
     ALL_MASK_ATTENTION_FUNCTIONS.register(VARLEN_SDPA, _no_mask)
     return VARLEN_SDPA
 
