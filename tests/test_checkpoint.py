@@ -540,7 +540,7 @@ def test_async_resume_completes_and_trains_no_sample_twice(runs):
     assert summary["steps"] == 4 and summary["prompts_consumed"] >= first["source"]["consumed"]
 
 
-def test_deepspeed_learner_state_resumes_exactly(tmp_path, tiny_model, tmp_path_factory):
+def test_deepspeed_learner_state_resumes_exactly(tmp_path, tiny_model, ds_ext):
     """DeepSpeed keeps its own (ZeRO-partitioned) checkpoint; one rank: save, load, step == step."""
     pytest.importorskip("deepspeed")
     import torch
@@ -549,7 +549,6 @@ def test_deepspeed_learner_state_resumes_exactly(tmp_path, tiny_model, tmp_path_
     from prorl_async.learners.deepspeed import DeepSpeedLearner
     from tests.learners._batches import graded_table
 
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(tmp_path_factory.mktemp("torch-ext")))
     torch.set_num_threads(1)
     cfg = load_config(None, [f"model.path={tiny_model}", "train.prompts_per_step=4", "rollout.n=4",
                              "train.micro_batch_size=8", "train.lr=1e-3", "algo.kl_coef=0.01",
