@@ -19,10 +19,15 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.ci, pytest.mark.ti
 
 # the production config at the default run's batch (64 prompts, 4 updates a step) and warm-up, so that
 # 20 steps learn (measured 2026-11-27, AMD EPYC: held-out pass@1 0.263 -> 0.407 at step 20, reward
-# 0.427 -> 0.461 over steps 1-10 -> 11-20, 64 s); one reference reset at step 20, after the evaluation
+# 0.427 -> 0.461 over steps 1-10 -> 11-20, 64 s; in CI on 2026-11-29 only 0.3225 -> 0.365 on 200 prompts
+# x 2 samples, the greedy 0.500 -> 0.525: the gain of an asynchronous run varies with its timing); one
+# reference reset at step 20, after the evaluation. The held-out set is 400 prompts x 4 samples: the
+# sampling noise of a before/after difference on the same prompts is then sqrt(2 E[p(1-p)] / 1600), 1.2-1.4
+# points (one SD, E[p(1-p)] 0.12-0.16), so the +3 points asked below are over 2 SDs above a learner that
+# does not learn
 LEARNS = ["model.warmup_steps=4000", "train.prompts_per_step=64", "train.mini_batches=4", "train.micro_batch_size=128",
           "train.warmup_lr_steps=10", "train.total_steps=22", "train.eval_interval=20", "algo.ref_reset_interval=20",
-          "data.eval=builtin:arithmetic?n=200&seed=2&split=eval"]
+          "data.eval=builtin:arithmetic?n=400&seed=2&split=eval", "train.eval_samples=4"]
 
 
 def test_cli_run_vllm_generator_deepspeed_learner(tmp_path, model_cache, ds_ext):
@@ -53,9 +58,9 @@ def test_cli_run_vllm_generator_deepspeed_learner(tmp_path, model_cache, ds_ext)
     flat = [gid for g in groups for gid in g]
     assert len(set(flat)) == len(flat) == 64 * 22
     # it learns: the reward rises over the first 20 steps, and held-out pass@1 at step 20 (before the
-    # reset; 200 prompts x 2 samples) stands at least 5 points above the base's
+    # reset; 400 prompts x 4 samples) stands at least 3 points above the base's (LEARNS says why 3)
     reward = [h["reward/raw_mean"] for h in history]
     assert sum(reward[10:20]) > sum(reward[:10]), reward
     before = json.loads((run_dir / "summary.json").read_text())["before"]["val/pass@1"]
     [at20] = [h["val/pass@1"] for h in history if h["step"] == 20]
-    assert at20 >= before + 0.05, (before, at20)
+    assert at20 >= before + 0.03, (before, at20)
