@@ -86,34 +86,4 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = [
-    "ADVANTAGE_ESTIMATORS",
-    "IS_MODES",
-    "KL_KINDS",
-    "OVERLONG_MODES",
-    "RESET_CAUSES",
-    "DynamicSamplingCollector",
-    "LengthPenaltySchedule",
-    "ReferenceResetPolicy",
-    "advantage_metrics",
-    "compute_advantages",
-    "cosine_length_reward",
-    "entropy_from_logits",
-    "filter_overlong",
-    "grpo",
-    "informative_groups",
-    "kl_penalty",
-    "logprobs_from_logits",
-    "masked_mean",
-    "mismatch",
-    "mismatch_metrics",
-    "mismatch_stats",
-    "policy_loss",
-    "reinforce_pp_baseline",
-    "rloo",
-    "shape_rewards",
-    "soft_overlong_penalty",
-    "token_logprobs",
-    "whiten",
-    "whitening_stats",
-]
+__all__ = sorted(_HOME)
