@@ -203,14 +203,21 @@ def smollm2_model(model_cache):
     return str(build_smollm2(ModelConfig(cache_dir=model_cache), log=lambda *_: None))
 
 
-def cli(*args, cwd=None, env=None, timeout=600, raw=False):
-    """Run the real console entry point in a subprocess, stdout and stderr to pipes. ``raw``: its
-    output as bytes, as written (text mode turns a carriage return into a newline)."""
+def cli(*args, cwd=None, env=None, timeout=600, raw=False, fresh=False):
+    """Run the real console entry point (``actors.cli.main``) in a process of its own, stdout and
+    stderr captured, as ``subprocess.run`` returns them. ``raw``: its output as bytes, as written (text
+    mode turns a carriage return into a newline). The process is forked from one that has imported the
+    CLI's modules already (tests/_cli_fork.py: ~10 CPU-s less a run); ``fresh``: a new interpreter
+    instead (``prorl-async`` as a user starts it), for what happens at import time or before ``main``."""
     import subprocess
 
     exe = Path(sys.executable).with_name("prorl-async")
     full_env = {**os.environ, **(env or {})}
     for k in ("RAY_ADDRESS",):
         full_env.pop(k, None)
+    if not fresh:
+        from tests import _cli_fork
+
+        return _cli_fork.run([str(a) for a in args], str(cwd or os.getcwd()), full_env, timeout, raw)
     return subprocess.run([str(exe), *args], cwd=cwd, env=full_env, capture_output=True, text=not raw,
                           timeout=timeout)

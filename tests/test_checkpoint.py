@@ -360,16 +360,16 @@ ASYNC = BASE + ["train.max_staleness=1", "train.checkpoint_interval=2", "rollout
 
 
 def _launch(args: list[str], run_dir: Path, tmp: Path, model_cache: str):
-    """The real CLI in a subprocess; returns (process, log path)."""
-    exe = Path(sys.executable).with_name("prorl-async")
+    """The real CLI in a process of its own (forked with its modules imported, tests/_cli_fork.py);
+    returns (process, log path)."""
+    from tests import _cli_fork
+
     extra = [] if "--resume" in args else [f"run_dir={run_dir}", f"model.cache_dir={model_cache}",
                                            f"tracking.aim_repo={tmp / ('aim-' + run_dir.name)}"]  # not shared: concurrent
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     log = tmp / f"{run_dir.name}-{'resume' if '--resume' in args else 'first'}.log"
-    with open(log, "w") as f:  # its own process group: the run and the Ray cluster it starts (killpg)
-        p = subprocess.Popen([str(exe), "train", *args, *extra], cwd=tmp, env=env, stdout=f, stderr=subprocess.STDOUT,
-                             start_new_session=True)
-    return p, log
+    # its own process group: the run and the Ray cluster it starts (killpg)
+    return _cli_fork.start(["train", *args, *extra], str(tmp), env, str(log), new_session=True), log
 
 
 def _wait(procs: dict, expect: dict | None = None) -> None:

@@ -94,7 +94,7 @@ def test_cli_console_through_a_pipe_holds_only_the_projects_lines(tmp_path, mode
     the project's, no carriage return; what the actors printed is in the run's logs/ folder."""
     run_dir = tmp_path / "run"
     res = cli("train", *TINY, f"run_dir={run_dir}", f"model.cache_dir={model_cache}", cwd=tmp_path, timeout=1500,
-              raw=True)
+              raw=True, fresh=True)  # a new interpreter: what its imports print counts too
     stdout, console = res.stdout.decode(errors="replace"), (res.stdout + res.stderr).decode(errors="replace")
     assert res.returncode == 0, console[-4000:]
     assert "step    2/2" in stdout and "done: 2 steps" in stdout, console[-4000:]

@@ -17,7 +17,7 @@ GAIN = 0.10  # the gate: well under the measured gains, well over the draw-to-dr
 def test_default_run_gains_ten_points(tmp_path, model_cache):
     run_dir = tmp_path / "run"
     res = cli("train", f"run_dir={run_dir}", f"tracking.aim_repo={tmp_path / 'aim'}",
-              f"model.cache_dir={model_cache}", cwd=tmp_path, timeout=1100)
+              f"model.cache_dir={model_cache}", cwd=tmp_path, timeout=1100, fresh=True)  # as a user starts it
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 120 and summary["max_trained_staleness"] <= 1

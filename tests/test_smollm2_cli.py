@@ -29,7 +29,7 @@ def test_smollm2_config_trains_two_steps(tmp_path, smollm2_model, model_cache):
     run_dir = tmp_path / "run"
     res = cli("train", "--config", str(ROOT / "configs" / "smollm2_cpu.yaml"), *SMALL,
               f"model.cache_dir={model_cache}", f"run_dir={run_dir}", f"tracking.aim_repo={tmp_path / 'aim'}",
-              timeout=1500, raw=True)
+              timeout=1500, raw=True, fresh=True)  # a new interpreter: what its imports print counts too
     raw = res.stdout + res.stderr
     out, stdout = raw.decode(errors="replace"), res.stdout.decode(errors="replace")
     assert res.returncode == 0, out[-4000:]
