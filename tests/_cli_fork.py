@@ -11,8 +11,10 @@ actors, and its exit status is ``main``'s.
 
 What differs from a fresh interpreter: modules the fork server imported are not re-imported (what
 they print at import time is not in the child's output; settings they read from the environment at
-import time keep the fork server's values). Tests of those things (the console's line count,
-``OMP_*`` variables, signals sent to the CLI) start ``prorl-async`` as a real subprocess instead.
+import time keep the fork server's values). Tests of those things (the console's line count, the
+default run as a user starts it) pass ``fresh=True`` to ``tests.conftest.cli`` for a new interpreter;
+``tests/test_omp_wait_policy.py`` and the line-streaming runs start ``prorl-async`` themselves. A
+signal reaches a forked child as it reaches a subprocess (:func:`start`, its own session if asked).
 """
 
 from __future__ import annotations
