@@ -13,8 +13,9 @@ What differs from a fresh interpreter: modules the fork server imported are not 
 they print at import time is not in the child's output; settings they read from the environment at
 import time keep the fork server's values). Tests of those things (the console's line count, the
 default run as a user starts it) pass ``fresh=True`` to ``tests.conftest.cli`` for a new interpreter;
-``tests/test_omp_wait_policy.py`` and the line-streaming runs start ``prorl-async`` themselves. A
-signal reaches a forked child as it reaches a subprocess (:func:`start`, its own session if asked).
+the runs whose output a test reads line by line as it comes (tests/test_curriculum_cli.py,
+test_node_death.py, test_soak.py) start ``prorl-async`` themselves. A signal reaches a forked child as
+it reaches a subprocess (:func:`start`, in a session of its own if asked).
 """
 
 from __future__ import annotations
