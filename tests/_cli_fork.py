@@ -60,7 +60,6 @@ def _child(argv: list[str], cwd: str, env: dict, out: str, err: str, new_session
     from ray._raylet import Config as _RayConfig
 
     _RayConfig.initialize("")  # Ray read its auth settings from the fork server's environment at import
-    code = 1
     try:
         from actors.cli import main
 
@@ -74,24 +73,8 @@ def _child(argv: list[str], cwd: str, env: dict, out: str, err: str, new_session
     sys.exit(code)
 
 
-def run(argv: list[str], cwd: str, env: dict, timeout: float, raw: bool) -> subprocess.CompletedProcess:
-    """``subprocess.run([prorl-async, *argv], capture_output=True)``'s result, from a forked child."""
-    with tempfile.TemporaryDirectory(prefix="prorl-cli-") as d:
-        out, err = os.path.join(d, "stdout"), os.path.join(d, "stderr")
-        for path in (out, err):
-            open(path, "wb").close()
-        p = _context().Process(target=_child, args=(list(argv), str(cwd), dict(env), out, err), daemon=False)
-        p.start()
-        p.join(timeout)
-        if p.exitcode is None:
-            p.kill()
-            p.join(30)
-            raise subprocess.TimeoutExpired(["prorl-async", *argv], timeout, _read(out, raw), _read(err, raw))
-        return subprocess.CompletedProcess(["prorl-async", *argv], p.exitcode, _read(out, raw), _read(err, raw))
-
-
 class Launched:
-    """The part of ``subprocess.Popen``'s interface a test that signals a run uses, for a forked CLI."""
+    """The part of ``subprocess.Popen``'s interface the tests use, for a forked CLI."""
 
     def __init__(self, process):
         self._p = process
@@ -113,20 +96,36 @@ class Launched:
         if self.poll() is None:
             os.kill(self.pid, sig)
 
+    def kill(self) -> None:
+        self._p.kill()
+        self._p.join(30)
 
-def start(argv: list[str], cwd: str, env: dict, log: str, new_session: bool = False) -> Launched:
-    """``subprocess.Popen([prorl-async, *argv], stdout=log, stderr=STDOUT, start_new_session=...)``'s
+
+def start(argv: list[str], cwd: str, env: dict, log: str, err: str = "", new_session: bool = False) -> Launched:
+    """``subprocess.Popen([prorl-async, *argv], stdout=log, stderr=err or STDOUT, start_new_session=...)``'s
     equivalent, forked: the run goes on while the caller watches its log and signals it."""
-    open(log, "wb").close()  # there, empty, when this returns (as Popen's caller opened it)
-    p = _context().Process(target=_child, args=(list(argv), str(cwd), dict(env), str(log), str(log), new_session))
+    err = err or log
+    for path in {log, err}:
+        open(path, "wb").close()  # there, empty, when this returns (as Popen's caller opened it)
+    p = _context().Process(target=_child, args=(list(argv), str(cwd), dict(env), str(log), str(err), new_session))
     p.start()
     return Launched(p)
 
 
+def run(argv: list[str], cwd: str, env: dict, timeout: float, raw: bool) -> subprocess.CompletedProcess:
+    """``subprocess.run([prorl-async, *argv], capture_output=True, timeout=...)``'s result, from a forked child."""
+    with tempfile.TemporaryDirectory(prefix="prorl-cli-") as d:
+        out, err = os.path.join(d, "stdout"), os.path.join(d, "stderr")
+        p = start(argv, cwd, env, out, err)
+        try:
+            code = p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            raise subprocess.TimeoutExpired(["prorl-async", *argv], timeout, _read(out, raw), _read(err, raw)) from None
+        return subprocess.CompletedProcess(["prorl-async", *argv], code, _read(out, raw), _read(err, raw))
+
+
 def _read(path: str, raw: bool):
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        data = b""
+    with open(path, "rb") as f:
+        data = f.read()
     return data if raw else data.decode("utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n")

@@ -211,7 +211,6 @@ def cli(*args, cwd=None, env=None, timeout=600, raw=False, fresh=False):
     instead (``prorl-async`` as a user starts it), for what happens at import time or before ``main``."""
     import subprocess
 
-    exe = Path(sys.executable).with_name("prorl-async")
     full_env = {**os.environ, **(env or {})}
     for k in ("RAY_ADDRESS",):
         full_env.pop(k, None)
@@ -219,5 +218,6 @@ def cli(*args, cwd=None, env=None, timeout=600, raw=False, fresh=False):
         from tests import _cli_fork
 
         return _cli_fork.run([str(a) for a in args], str(cwd or os.getcwd()), full_env, timeout, raw)
+    exe = Path(sys.executable).with_name("prorl-async")
     return subprocess.run([str(exe), *args], cwd=cwd, env=full_env, capture_output=True, text=not raw,
                           timeout=timeout)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 from tests.conftest import cli
 
 
@@ -24,4 +22,3 @@ def test_a_forked_cli_run_answers_as_a_fresh_one(tmp_path, model_cache):
     # an unknown subcommand: argparse's usage error and status 2 in both
     bad = [cli("trian", cwd=tmp_path, fresh=f) for f in (True, False)]
     assert bad[0].returncode == bad[1].returncode == 2 and "invalid choice: 'trian'" in bad[1].stderr
-    assert os.getcwd() != str(tmp_path)  # the call's directory was the child's, not this process's
