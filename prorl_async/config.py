@@ -41,7 +41,7 @@ def _f(default: Any, doc: str, bool_means: Optional[tuple[str, str]] = None):
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = _f("builtin:tiny-arith", "HF model folder, or builtin:tiny-arith (a small Llama the project builds and warms up itself)")
-    dtype: str = _f("float32", "compute dtype of the policy: float32, bfloat16, or auto = bfloat16 on CUDA or a CPU with AMX / AVX-512 bf16, else float32 (resolved when the config is loaded). The engines generate in it; with bfloat16 the torch learner holds bf16 parameters over fp32 master weights (model.bf16_params) and DeepSpeed runs its bf16 mode (fp32 masters of its own); weights leave the learner as fp32 masters")
+    dtype: str = _f("float32", "compute dtype of the policy: float32, bfloat16, or auto = bfloat16 on CUDA or on a CPU with AMX / AVX-512 bf16 whose bf16 matmul, timed once, runs at least 1.25x its fp32 matmul, else float32 (resolved when the config is loaded). The engines generate in it; with bfloat16 the torch learner holds bf16 parameters over fp32 master weights (model.bf16_params) and DeepSpeed runs its bf16 mode (fp32 masters of its own); weights leave the learner as fp32 masters")
     autocast_bf16: bool = _f(False, "learner forward/backward under bf16 autocast (CPU with AVX-512 bf16, or GPU); pays off from ~50M parameters")
     bf16_params: bool = _f(True, "with bf16 compute (model.dtype bfloat16, or autocast_bf16 on bf16 hardware), the torch learner holds its parameters and reference model in bf16 and fp32 master weights in AdamW (gradients summed in fp32, masters copied into the bf16 parameters once per update); false = fp32 parameters under bf16 autocast")
     cache_dir: str = _f("", "where built-in models are cached (default: $PRORL_ASYNC_CACHE or ~/.cache/prorl-async)")
@@ -379,8 +379,9 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
 
 
 def resolve_auto(cfg: Config, machine: MachineFacts) -> Config:
-    """``model.dtype: auto`` -> bfloat16 where ``machine`` computes bf16 natively (a CUDA GPU, or
-    a CPU with AMX / AVX-512 bf16), else float32 (the rule of :func:`prorl_async.models.resolve_dtype`),
+    """``model.dtype: auto`` -> bfloat16 where bf16 pays on ``machine`` (a CUDA GPU, or a CPU with
+    AMX / AVX-512 bf16 whose measured bf16 matmul runs at least 1.25x its fp32 matmul), else float32
+    (the rule of :func:`prorl_async.models.resolve_dtype`),
     so that the engines and the learner (and the saved config) see one concrete dtype;
     ``ray.omp_wait_policy: auto`` -> :func:`prorl_async.machine.machine_omp_wait_policy`."""
     if cfg.model.dtype == "auto":

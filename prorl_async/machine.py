@@ -19,6 +19,11 @@ if TYPE_CHECKING:  # annotations only: the config imports this module
 
 #: CPU flags of native bf16 matmul (without them a bf16 matmul runs ~100x slower than fp32 on AVX2)
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+#: ``model.dtype: auto`` picks bf16 on a CPU only where its bf16 matmul, measured, runs at least
+#: this many times fp32's: the flags are not enough (a 2-core Xeon VM with ``avx512_bf16`` and no
+#: ``amx`` ran a 1024^3 bf16 matmul at 138 GFLOP/s against fp32's 285; AVX-512-bf16 EPYC: 354 vs
+#: 124; AMX Xeon: 477-850 vs 101-190), and below this margin fp32 saves the engine/learner mismatch
+BF16_MIN_SPEEDUP = 1.25
 
 
 def cpu_flags() -> set[str]:
@@ -34,11 +39,57 @@ def cpu_flags() -> set[str]:
 
 
 def cpu_has_bf16(flags: Optional[Iterable[str]] = None) -> bool:
-    """Native bf16 matmuls on this CPU (AMX or AVX-512 bf16), or on a CPU with ``flags``: the one
-    place this rule is written (:func:`prorl_async.models.resolve_dtype`, the learners' autocast,
-    the machine facts and the benchmarks ask here)."""
+    """Native bf16 matmul instructions on this CPU (AMX or AVX-512 bf16), or on a CPU with ``flags``:
+    the one place this rule is written (the learners' autocast, :func:`cpu_bf16_speedup` and the
+    benchmarks ask here). Whether bf16 is also faster than fp32 there is measured, not read:
+    :func:`cpu_bf16_speedup`."""
     have = cpu_flags() if flags is None else set(flags)
     return any(f in have for f in BF16_CPU_FLAGS)
+
+
+@dataclass(frozen=True)
+class MatmulRates:
+    """GFLOP/s of one 1024^3 matmul on this CPU in each precision, measured in this process."""
+    bf16: float
+    fp32: float
+
+    @property
+    def bf16_speedup(self) -> float:
+        return self.bf16 / self.fp32
+
+
+@functools.cache
+def cpu_matmul_rates(size: int = 1024, repeats: int = 5) -> MatmulRates:
+    """bf16 and fp32 matmul rates of this CPU with this process's torch threads, measured once per
+    process (about 0.2 s where bf16 is native): alternating, best of ``repeats`` each, so a
+    neighbour's load slows both alike. Ask only where :func:`cpu_has_bf16` holds: elsewhere one
+    bf16 matmul of this size takes seconds."""
+    import time
+
+    import torch
+
+    mats = {dt: (torch.randn(size, size, dtype=dt), torch.randn(size, size, dtype=dt))
+            for dt in (torch.bfloat16, torch.float32)}
+    best = {dt: float("inf") for dt in mats}
+    for i in range(repeats + 1):
+        for dt, (a, b) in mats.items():
+            t = time.perf_counter()
+            a @ b
+            if i:  # the first round warms the kernels up
+                best[dt] = min(best[dt], time.perf_counter() - t)
+    flops = 2 * size ** 3 / 1e9
+    return MatmulRates(bf16=flops / best[torch.bfloat16], fp32=flops / best[torch.float32])
+
+
+def bf16_pays(bf16_speedup: float) -> bool:
+    """The rule of ``model.dtype: auto`` on a CPU (:func:`probe_machine`, :func:`prorl_async.models.resolve_dtype`)."""
+    return bf16_speedup >= BF16_MIN_SPEEDUP
+
+
+def cpu_bf16_speedup() -> float:
+    """This CPU's bf16 matmul rate over its fp32 rate: measured where :func:`cpu_has_bf16` holds, 0
+    where it does not (no native bf16: AVX2 runs bf16 ~100x slower)."""
+    return cpu_matmul_rates().bf16_speedup if cpu_has_bf16() else 0.0
 
 
 @dataclass(frozen=True)
@@ -46,18 +97,24 @@ class MachineFacts:
     """The facts ``auto`` settings resolve against."""
     cpus: int                          # CPUs this process may run on (its affinity)
     omp_wait_policy_set: bool          # $OMP_WAIT_POLICY is set in this environment
-    bf16: Optional[bool] = None        # native bf16 compute: a CUDA GPU, or a CPU with AMX / AVX-512 bf16; None: not probed
+    bf16: Optional[bool] = None        # bf16 pays: a CUDA GPU, or a CPU with AMX / AVX-512 bf16 whose bf16 matmul
+                                       # runs >= BF16_MIN_SPEEDUP x fp32's; None: not probed
+    bf16_speedup: Optional[float] = None  # that CPU's measured bf16 / fp32 matmul rate (0: no native bf16; None: not measured)
 
 
 def probe_machine(bf16: bool = True) -> MachineFacts:
     """This process's facts; ``bf16=False`` leaves :attr:`MachineFacts.bf16` unprobed (no torch import)."""
-    native = None
+    native = speedup = None
     if bf16:
         import torch
 
-        native = torch.cuda.is_available() or cpu_has_bf16()
+        if torch.cuda.is_available():
+            native = True
+        else:
+            speedup = cpu_bf16_speedup()
+            native = bf16_pays(speedup)
     return MachineFacts(cpus=len(os.sched_getaffinity(0)), omp_wait_policy_set="OMP_WAIT_POLICY" in os.environ,
-                        bf16=native)
+                        bf16=native, bf16_speedup=speedup)
 
 
 def machine_omp_wait_policy(cfg: Config, machine: MachineFacts) -> str:

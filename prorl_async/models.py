@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from prorl_async.console import bar
-from prorl_async.machine import cpu_flags, cpu_has_bf16
+from prorl_async.machine import bf16_pays, cpu_bf16_speedup
 
 BUILTIN_PREFIX = "builtin:"
 CHARS = list("0123456789+-*=() ")
@@ -48,23 +48,26 @@ def default_cache_dir(cfg_dir: str = "") -> Path:
     return Path(cfg_dir or os.environ.get("PRORL_ASYNC_CACHE") or Path.home() / ".cache" / "prorl-async")
 
 
-def resolve_dtype(requested: str, device: str, flags: set[str] | frozenset = frozenset()) -> str:
-    """``float32`` / ``bfloat16`` as requested; ``auto`` -> bfloat16 on CUDA or on a CPU whose
-    ``flags`` include AMX or AVX-512 bf16, else float32. Pure: the caller passes the flags."""
+def resolve_dtype(requested: str, device: str, bf16_speedup: float = 0.0) -> str:
+    """``float32`` / ``bfloat16`` as requested; ``auto`` -> bfloat16 on CUDA or on a CPU whose bf16
+    matmul runs at least :data:`~prorl_async.machine.BF16_MIN_SPEEDUP` times its fp32 matmul
+    (:func:`~prorl_async.machine.bf16_pays`;
+    ``bf16_speedup``: 0 without AMX / AVX-512 bf16), else float32. Pure: the caller measures."""
     if requested in ("float32", "bfloat16"):
         return requested
     if requested != "auto":
         raise ValueError(f"model.dtype: must be auto, float32 or bfloat16, got {requested!r}")
     if device.startswith("cuda"):
         return "bfloat16"
-    return "bfloat16" if cpu_has_bf16(flags) else "float32"
+    return "bfloat16" if bf16_pays(bf16_speedup) else "float32"
 
 
 def machine_dtype(requested: str, device: str | None = None) -> str:
     """:func:`resolve_dtype` for this process's device (CUDA when available) and CPU."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return resolve_dtype(requested, device, cpu_flags() if requested == "auto" else frozenset())
+    cpu_auto = requested == "auto" and not device.startswith("cuda")
+    return resolve_dtype(requested, device, cpu_bf16_speedup() if cpu_auto else 0.0)
 
 
 def build_char_tokenizer():

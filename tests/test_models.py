@@ -52,18 +52,44 @@ def test_unknown_builtin_names_the_known_ones():
         resolve_model_path(ModelConfig(path="builtin:gpt5"))
 
 
-@pytest.mark.parametrize("requested, device, flags, expected", [
-    ("auto", "cuda", set(), "bfloat16"),
-    ("auto", "cuda:1", set(), "bfloat16"),
-    ("auto", "cpu", {"avx2", "amx_bf16", "amx_tile"}, "bfloat16"),
-    ("auto", "cpu", {"avx2", "avx512f", "avx512_bf16"}, "bfloat16"),
-    ("auto", "cpu", {"avx2", "avx512f"}, "float32"),   # AVX-512 without bf16: fp32
-    ("auto", "cpu", set(), "float32"),                 # AVX2-only EPYC: bf16 matmul ~100x slower
-    ("float32", "cuda", set(), "float32"),
-    ("bfloat16", "cpu", set(), "bfloat16"),            # an explicit choice is kept
+@pytest.mark.parametrize("requested, device, bf16_speedup, expected", [
+    ("auto", "cuda", 0.0, "bfloat16"),
+    ("auto", "cuda:1", 0.0, "bfloat16"),
+    ("auto", "cpu", 2.85, "bfloat16"),   # AVX-512-bf16 EPYC: 354 vs 124 GFLOP/s
+    ("auto", "cpu", 1.25, "bfloat16"),   # the margin itself
+    ("auto", "cpu", 1.2, "float32"),     # faster, but not by enough to pay the engine/learner mismatch
+    ("auto", "cpu", 0.49, "float32"),    # a Xeon VM with avx512_bf16 and no AMX: 138 vs 285 GFLOP/s
+    ("auto", "cpu", 0.0, "float32"),     # AVX2-only EPYC (no native bf16: not measured)
+    ("float32", "cuda", 0.0, "float32"),
+    ("bfloat16", "cpu", 0.0, "bfloat16"),  # an explicit choice is kept
 ])
-def test_resolve_dtype(requested, device, flags, expected):
-    assert resolve_dtype(requested, device, flags) == expected
+def test_resolve_dtype(requested, device, bf16_speedup, expected):
+    assert resolve_dtype(requested, device, bf16_speedup) == expected
+
+
+def test_cpu_bf16_speedup_is_measured_where_the_flags_allow_and_zero_elsewhere(monkeypatch):
+    """Native bf16 instructions are measured (both rates real, in one process); without them the
+    speedup is 0 and nothing is timed (a bf16 matmul there takes seconds)."""
+    import math
+
+    import prorl_async.machine as machine
+
+    if machine.cpu_has_bf16():
+        rates = machine.cpu_matmul_rates()
+        assert math.isfinite(rates.bf16) and math.isfinite(rates.fp32) and rates.bf16 > 1 and rates.fp32 > 1, rates
+        assert machine.cpu_bf16_speedup() == rates.bf16_speedup
+        facts = machine.probe_machine()
+        assert facts.bf16_speedup == rates.bf16_speedup
+        assert facts.bf16 == (torch.cuda.is_available() or rates.bf16_speedup >= machine.BF16_MIN_SPEEDUP)
+
+    def untimed(*a, **k):
+        raise AssertionError("timed a bf16 matmul on a CPU without native bf16")
+
+    monkeypatch.setattr(machine, "cpu_has_bf16", lambda flags=None: False)
+    monkeypatch.setattr(machine, "cpu_matmul_rates", untimed)
+    assert machine.cpu_bf16_speedup() == 0.0
+    if not torch.cuda.is_available():
+        assert machine.probe_machine().bf16 is False and machine_dtype("auto") == "float32"
 
 
 def test_resolve_dtype_rejects_unknown():
@@ -72,10 +98,10 @@ def test_resolve_dtype_rejects_unknown():
 
 
 def test_config_auto_resolves_once_for_engine_and_learner():
-    from prorl_async.machine import cpu_flags
+    from prorl_async.machine import BF16_MIN_SPEEDUP, cpu_bf16_speedup
 
     cfg = load_config(None, ["model.dtype=auto"])
-    expected = "bfloat16" if torch.cuda.is_available() or {"amx_bf16", "avx512_bf16"} & cpu_flags() else "float32"
+    expected = "bfloat16" if torch.cuda.is_available() or cpu_bf16_speedup() >= BF16_MIN_SPEEDUP else "float32"
     assert cfg.model.dtype == expected == machine_dtype("auto")  # what every actor is handed
     with pytest.raises(ConfigError, match="model.dtype"):
         load_config(None, ["model.dtype=half"])
