@@ -136,8 +136,41 @@ def _init_ray(cfg: Config, log_dir: Path | None) -> bool:
 NODE_START_TIMEOUT = "timed out during startup"  # ray.init's message when its node did not come up
 
 
+@contextlib.contextmanager
+def ray_processes_in_own_sessions():
+    """Inside the block, the processes Ray starts for a local cluster (GCS, raylet and the raylet's
+    workers under it, the dashboard and log monitors) each get a session of their own, so that a
+    signal to this driver's process group reaches the driver alone: ``timeout``, ``kill -TERM
+    -PGID`` and a shell's ``kill %1`` signal the whole group, and the raylet and the actors died
+    of the SIGTERM before the driver's own handler could land the step in flight and write the
+    checkpoint (measured: ``error: the learner died at step 5``). Ray does the like on Windows
+    (its ``ConsolePopen`` puts them in a new process group) and on Linux only blocks SIGINT in
+    them. Done only where the kernel ties them to the driver's life (``PR_SET_PDEATHSIG``, Ray's
+    fate sharing), so they still end with the driver however it ends; elsewhere the block changes
+    nothing. Yields whether it applies."""
+    from ray._private import services
+    from ray._private import utils as ray_utils
+
+    base = getattr(services, "ConsolePopen", None)
+    if base is None or os.name != "posix" or not ray_utils.detect_fate_sharing_support():
+        yield False
+        return
+
+    class OwnSessionPopen(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("start_new_session", True)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = OwnSessionPopen
+    try:
+        yield True
+    finally:
+        services.ConsolePopen = base
+
+
 def start_local_ray(**init_kwargs) -> None:
-    """``ray.init`` of a new local cluster, tried a second time if its node did not come up. Ray
+    """``ray.init`` of a new local cluster (its processes outside this driver's process group:
+    :func:`ray_processes_in_own_sessions`), tried a second time if its node did not come up. Ray
     2.60's raylet waits a fixed 15 s for its dashboard agent's port file and exits when it is late
     (ray-project/ray#65983), which a loaded machine can miss: a CI worker starting three runs at
     once, a busy login node. The processes the failed start left behind (this process's children
@@ -147,7 +180,8 @@ def start_local_ray(**init_kwargs) -> None:
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     try:
-        ray.init(**init_kwargs)
+        with ray_processes_in_own_sessions():
+            ray.init(**init_kwargs)
         return
     except Exception as e:  # ray.init raises a bare Exception for this one
         if NODE_START_TIMEOUT not in str(e):
@@ -160,7 +194,8 @@ def start_local_ray(**init_kwargs) -> None:
     logging.getLogger("prorl_async").warning(
         "Ray's local node did not start in time (its raylet gives the dashboard agent 15 s); "
         "stopped %d processes of that start and trying once more", len(left))
-    ray.init(**init_kwargs)
+    with ray_processes_in_own_sessions():
+        ray.init(**init_kwargs)
 
 
 PLACEMENT_TIMEOUT_S = 300.0

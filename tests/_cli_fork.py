@@ -44,7 +44,8 @@ def _context():
 
 
 def _child(argv: list[str], cwd: str, env: dict, out: str, err: str, new_session: bool = False) -> None:
-    if new_session:  # a process group of its own: the CLI and the Ray cluster it starts (os.killpg)
+    if new_session:  # a process group of its own (os.killpg); the Ray cluster it starts has sessions of its
+        # own (actors.cluster.ray_processes_in_own_sessions) and dies with it
         os.setsid()
     os.chdir(cwd)
     os.environ.clear()

@@ -30,6 +30,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from prorl_async import checkpoint
@@ -391,8 +392,11 @@ def _started(proc, log: Path, run_dir: Path, deadline_s: float = 300) -> None:
 
 def _signal_on(proc, log: Path, pattern: str, sig: signal.Signals, errors: list, deadline_s: float = 600) -> None:
     """``sig`` as soon as the run's console has a line matching ``pattern`` (a watcher thread per run,
-    so a run is signalled while the others still start): SIGKILL to its whole process group (the CLI
-    and the Ray cluster it started: a crash), SIGTERM to the CLI alone (a stop)."""
+    so a run is signalled while the others still start), to its whole process group: SIGKILL there is
+    a crash (the CLI dies, and the Ray cluster it started dies with it: actors.cluster.
+    ray_processes_in_own_sessions); SIGTERM there is a stop as ``timeout``, ``kill -TERM -PGID`` or
+    a shell's ``kill %1`` sends it, which must reach the CLI alone: the actors, outside the group,
+    land the step in flight and the checkpoint (before, the learner died of it)."""
     line = re.compile(pattern, re.M)
     end = time.time() + deadline_s
     while not line.search(log.read_text(errors="replace")):
@@ -401,10 +405,7 @@ def _signal_on(proc, log: Path, pattern: str, sig: signal.Signals, errors: list,
                           f"{deadline_s:.0f}s passed: {log.read_text()[-3000:]}")
             return
         time.sleep(0.05)
-    if sig == signal.SIGKILL:
-        os.killpg(proc.pid, signal.SIGKILL)
-    else:
-        proc.send_signal(sig)
+    os.killpg(proc.pid, sig)
 
 
 def _signal_on_file(proc, path: Path, errors: list, deadline_s: float = 300) -> None:
@@ -585,10 +586,13 @@ def test_sigterm_before_step_one_stops_at_once_and_shuts_its_ray_down(tmp_path, 
         else:
             _signal_on(p, log, when, signal.SIGTERM, errors)
         assert not errors, errors
+        try:  # the cluster's processes, taken at once: the driver shuts them down for a second or more
+            cluster = {c: _cmdline(c) for c in psutil.Process(p.pid).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            cluster = {}
         rc = p.wait(timeout=300)
-        deadline = time.time() + 60  # the cluster's processes (same process group) exit with it
-        while (left := subprocess.run(["pgrep", "-g", str(p.pid)], capture_output=True, text=True).stdout.split()) \
-                and time.time() < deadline:
+        deadline = time.time() + 60  # they exit with it (in sessions of their own: not its process group)
+        while (left := [c.pid for c in cluster if _alive(c)]) and time.time() < deadline:
             time.sleep(1)
     finally:
         if p.poll() is None:
@@ -597,4 +601,19 @@ def test_sigterm_before_step_one_stops_at_once_and_shuts_its_ray_down(tmp_path, 
     assert rc == 128 + signal.SIGTERM, out[-3000:]
     assert "stopped by SIGTERM outside the training loop (before step 1" in out, out[-3000:]
     assert "Traceback" not in out and not re.search(r"^step\s+1/", out, re.M), out[-3000:]
+    assert any("raylet" in " ".join(cmd) for cmd in cluster.values()), list(cluster.values())  # the check saw Ray
     assert left == [], f"processes of the stopped run still alive: {left}"
+
+
+def _cmdline(proc) -> list[str]:
+    try:
+        return proc.cmdline()
+    except psutil.Error:
+        return []
+
+
+def _alive(proc) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
