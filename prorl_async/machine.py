@@ -21,8 +21,10 @@ if TYPE_CHECKING:  # annotations only: the config imports this module
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 #: ``model.dtype: auto`` picks bf16 on a CPU only where its bf16 matmul, measured, runs at least
 #: this many times fp32's: the flags are not enough (a 2-core Xeon VM with ``avx512_bf16`` and no
-#: ``amx`` ran a 1024^3 bf16 matmul at 138 GFLOP/s against fp32's 285; AVX-512-bf16 EPYC: 354 vs
-#: 124; AMX Xeon: 477-850 vs 101-190), and below this margin fp32 saves the engine/learner mismatch
+#: ``amx`` ran a 1024^3 bf16 matmul at 138 GFLOP/s against fp32's 285, and configs/smollm2_cpu.yaml
+#: there 1.12x faster in bf16, 7.7 points lower in pass@1; the AVX-512-bf16 EPYC: 354 vs 124 and
+#: 1.5-1.9x; AMX Xeon: 477-850 vs 101-190), and below this margin fp32 saves the engine/learner
+#: mismatch for little time (benchmarks/RESULTS.md, "bf16 flags without bf16 speed")
 BF16_MIN_SPEEDUP = 1.25
 
 
