@@ -147,13 +147,13 @@ def ray_processes_in_own_sessions():
     (its ``ConsolePopen`` puts them in a new process group) and on Linux only blocks SIGINT in
     them. Done only where the kernel ties them to the driver's life (``PR_SET_PDEATHSIG``, Ray's
     fate sharing), so they still end with the driver however it ends; elsewhere the block changes
-    nothing. Yields whether it applies."""
+    nothing."""
     from ray._private import services
     from ray._private import utils as ray_utils
 
     base = getattr(services, "ConsolePopen", None)
     if base is None or os.name != "posix" or not ray_utils.detect_fate_sharing_support():
-        yield False
+        yield
         return
 
     class OwnSessionPopen(base):  # type: ignore[misc, valid-type]
@@ -163,7 +163,7 @@ def ray_processes_in_own_sessions():
 
     services.ConsolePopen = OwnSessionPopen
     try:
-        yield True
+        yield
     finally:
         services.ConsolePopen = base
 
@@ -179,22 +179,21 @@ def start_local_ray(**init_kwargs) -> None:
 
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
-    try:
-        with ray_processes_in_own_sessions():
-            ray.init(**init_kwargs)
-        return
-    except Exception as e:  # ray.init raises a bare Exception for this one
-        if NODE_START_TIMEOUT not in str(e):
-            raise
-    left = [p for p in me.children(recursive=True) if p.pid not in before]
-    for p in left:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-    psutil.wait_procs(left, timeout=10)
-    logging.getLogger("prorl_async").warning(
-        "Ray's local node did not start in time (its raylet gives the dashboard agent 15 s); "
-        "stopped %d processes of that start and trying once more", len(left))
     with ray_processes_in_own_sessions():
+        try:
+            ray.init(**init_kwargs)
+            return
+        except Exception as e:  # ray.init raises a bare Exception for this one
+            if NODE_START_TIMEOUT not in str(e):
+                raise
+        left = [p for p in me.children(recursive=True) if p.pid not in before]
+        for p in left:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        psutil.wait_procs(left, timeout=10)
+        logging.getLogger("prorl_async").warning(
+            "Ray's local node did not start in time (its raylet gives the dashboard agent 15 s); "
+            "stopped %d processes of that start and trying once more", len(left))
         ray.init(**init_kwargs)
 
 

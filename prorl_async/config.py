@@ -380,7 +380,8 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
 
 def resolve_auto(cfg: Config, machine: MachineFacts) -> Config:
     """``model.dtype: auto`` -> bfloat16 where bf16 pays on ``machine`` (a CUDA GPU, or a CPU with
-    AMX / AVX-512 bf16 whose measured bf16 matmul runs at least 1.25x its fp32 matmul), else float32
+    AMX / AVX-512 bf16 whose measured bf16 matmul runs at least
+    :data:`~prorl_async.machine.BF16_MIN_SPEEDUP` times its fp32 matmul), else float32
     (the rule of :func:`prorl_async.models.resolve_dtype`),
     so that the engines and the learner (and the saved config) see one concrete dtype;
     ``ray.omp_wait_policy: auto`` -> :func:`prorl_async.machine.machine_omp_wait_policy`."""

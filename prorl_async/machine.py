@@ -100,23 +100,18 @@ class MachineFacts:
     cpus: int                          # CPUs this process may run on (its affinity)
     omp_wait_policy_set: bool          # $OMP_WAIT_POLICY is set in this environment
     bf16: Optional[bool] = None        # bf16 pays: a CUDA GPU, or a CPU with AMX / AVX-512 bf16 whose bf16 matmul
-                                       # runs >= BF16_MIN_SPEEDUP x fp32's; None: not probed
-    bf16_speedup: Optional[float] = None  # that CPU's measured bf16 / fp32 matmul rate (0: no native bf16; None: not measured)
+                                       # runs >= BF16_MIN_SPEEDUP x fp32's (bf16_pays); None: not probed
 
 
 def probe_machine(bf16: bool = True) -> MachineFacts:
     """This process's facts; ``bf16=False`` leaves :attr:`MachineFacts.bf16` unprobed (no torch import)."""
-    native = speedup = None
+    native = None
     if bf16:
         import torch
 
-        if torch.cuda.is_available():
-            native = True
-        else:
-            speedup = cpu_bf16_speedup()
-            native = bf16_pays(speedup)
+        native = torch.cuda.is_available() or bf16_pays(cpu_bf16_speedup())
     return MachineFacts(cpus=len(os.sched_getaffinity(0)), omp_wait_policy_set="OMP_WAIT_POLICY" in os.environ,
-                        bf16=native, bf16_speedup=speedup)
+                        bf16=native)
 
 
 def machine_omp_wait_policy(cfg: Config, machine: MachineFacts) -> str:

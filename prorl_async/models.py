@@ -49,10 +49,9 @@ def default_cache_dir(cfg_dir: str = "") -> Path:
 
 
 def resolve_dtype(requested: str, device: str, bf16_speedup: float = 0.0) -> str:
-    """``float32`` / ``bfloat16`` as requested; ``auto`` -> bfloat16 on CUDA or on a CPU whose bf16
-    matmul runs at least :data:`~prorl_async.machine.BF16_MIN_SPEEDUP` times its fp32 matmul
-    (:func:`~prorl_async.machine.bf16_pays`;
-    ``bf16_speedup``: 0 without AMX / AVX-512 bf16), else float32. Pure: the caller measures."""
+    """``float32`` / ``bfloat16`` as requested; ``auto`` -> bfloat16 on CUDA or where
+    :func:`~prorl_async.machine.bf16_pays` holds for the CPU's measured ``bf16_speedup`` (bf16 over
+    fp32 matmul rate; 0 without AMX / AVX-512 bf16), else float32. Pure: the caller measures."""
     if requested in ("float32", "bfloat16"):
         return requested
     if requested != "auto":

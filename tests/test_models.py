@@ -79,7 +79,6 @@ def test_cpu_bf16_speedup_is_measured_where_the_flags_allow_and_zero_elsewhere(m
         assert math.isfinite(rates.bf16) and math.isfinite(rates.fp32) and rates.bf16 > 1 and rates.fp32 > 1, rates
         assert machine.cpu_bf16_speedup() == rates.bf16_speedup
         facts = machine.probe_machine()
-        assert facts.bf16_speedup == rates.bf16_speedup
         assert facts.bf16 == (torch.cuda.is_available() or rates.bf16_speedup >= machine.BF16_MIN_SPEEDUP)
 
     def untimed(*a, **k):
