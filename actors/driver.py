@@ -121,7 +121,8 @@ class TrainingLoop:
 
     def _request(self, i: int, rows: list[dict], seed: int) -> None:
         """One generation request on generator ``i``, graded and put in the buffer by reference."""
-        s, a, r = self.s, self.actors, Request(i, rows, seed)
+        s, a, r = self.s, self.actors, Request(i, rows, seed, self.s.issued)
+        s.issued += 1
         gen_ref = a.generators[i].generate.remote(rows, self.cfg.rollout.n, seed)
         graded = a.grader.grade.remote(rows, gen_ref)
         put_ref = a.buffer.put.remote(graded, [graded])  # the batch (resolved by Ray), and its reference
@@ -138,7 +139,7 @@ class TrainingLoop:
     def on_buffered(self, r: Request, ref) -> None:
         info: PutResult = ray.get(ref)
         s, w, k = self.s, self.s.window, len(r.rows)
-        s.grader_down, s.gen_down = False, s.gen_down - {f"generator-{r.generator}"}  # its deaths counted anew
+        s.landed(r)  # a death after the one counted is counted anew
         s.live -= k - info.kept  # requested prompts that are not a kept group now (dropped, or merged:
         s.buffered += info.kept   # a request across an epoch boundary can hold a prompt twice, one group)
         for key, v in info.stats.items():
@@ -369,7 +370,7 @@ class TrainingLoop:
                 log.warning("%s", a.warning)
             elif isinstance(a, Count):
                 s.gen_failures, s.grader_failures = a.gen_failures, a.grader_failures
-                s.grader_down, s.gen_down = a.grader_down, a.gen_down
+                s.mark_down(a.gen_down, a.grader_down)
             elif isinstance(a, Resync):
                 if a.warning:
                     log.warning("%s", a.warning)

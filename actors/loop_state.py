@@ -23,6 +23,7 @@ class Request:
     generator: int
     rows: list
     seed: int
+    issued: int = 0  # the loop's count of requests issued before this one (a re-issue gets a new number)
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,10 @@ class LoopState:
     resync_needed: bool = False
     learner_dead: bool = False
     buffer_dead: bool = False
-    grader_down: bool = False    # a grader death was counted; cleared by the next graded request
-    gen_down: frozenset = frozenset()  # generators whose death was counted; cleared by their next graded request
+    grader_down: bool = False    # a grader death was counted; cleared by a request issued after it (landed)
+    gen_down: frozenset = frozenset()  # generators whose death was counted; each cleared as the grader's
+    issued: int = 0              # requests issued in this process, re-issues included (each Request's number)
+    down_since: dict = field(default_factory=dict)  # role -> ``issued`` when its death was counted
     stop_reason: str = ""        # train.stop_at reached: why the run stops after this evaluation
     signalled: str = ""          # SIGTERM's name once received: nothing new starts, a checkpoint, then exit
     eval_owed: bool = False      # an evaluation failed (a generator died): done again after the re-sync
@@ -88,3 +91,21 @@ class LoopState:
     SAVED: ClassVar[tuple] = ("version", "consumed", "live", "buffered", "requests", "window", "busy_s", "train_busy_s",
                               "gen_busy_s", "resyncs", "gen_failures", "grader_failures", "invalid_by_reason", "retry", "trained_groups",
                               "before", "last_eval", "best")
+
+    def mark_down(self, gen_down: frozenset, grader_down: bool) -> None:
+        """A counted death's marks (the failure policy's ``Count``), each new one with the number of
+        requests issued when it was counted."""
+        newly = gen_down - self.gen_down | ({"grader"} if grader_down and not self.grader_down else set())
+        self.down_since.update(dict.fromkeys(newly, self.issued))
+        self.gen_down, self.grader_down = gen_down, grader_down
+
+    def landed(self, r: Request) -> None:
+        """A graded, buffered request shows its generator (and the grader) back from a counted death only
+        if it was issued after that count, so that the next death counts anew: a request issued before
+        can land after the death (generated before the kill, graded while Ray restarts the actor), and
+        a call that the restart then fails ("The actor is restarting") is the same death."""
+        generator = f"generator-{r.generator}"
+        if r.issued >= self.down_since.get(generator, 0):
+            self.gen_down = self.gen_down - {generator}
+        if r.issued >= self.down_since.get("grader", 0):
+            self.grader_down = False

@@ -12,7 +12,7 @@ import pytest
 
 from actors.failures import (CALLED, EVALUATED, GRADER_METRICS, Count, EvaluateAgain, Failure, FailurePolicy, Reissue,
                              Resync, RunFacts, Stop)
-from actors.loop_state import BUFFERED, GENERATED, RECEIVED, SENT, TRAINED, Request
+from actors.loop_state import BUFFERED, GENERATED, RECEIVED, SENT, TRAINED, LoopState, Request
 
 POLICY = FailurePolicy(max_generator_failures=2, run_dir=Path("/runs/r1"))
 FACTS = RunFacts(version=6, checkpointed=4, gen_failures=1, grader_failures=0)
@@ -68,6 +68,49 @@ def test_one_generator_death_is_counted_once_whatever_calls_it_fails():
     assert POLICY.on_failure(EVALUATED, None, restarting, down) == (Resync(), EvaluateAgain())
     other = POLICY.on_failure(BUFFERED, REQUEST, died("generator-0"), down)
     assert other[2] == Count(3, 0, False, frozenset({"generator-0", "generator-1"})) and isinstance(other[3], Stop)
+
+
+def test_a_request_issued_before_the_counted_death_does_not_clear_it():
+    """The loop's state between the policy's calls (LoopState.mark_down / landed): request 4 was
+    generated before the kill and lands (graded, buffered) after request 5 failed and its death was
+    counted; the generator is still restarting, so the weight sync that then finds it restarting is
+    the same death, not a second one past a limit of 1. Request 5's re-issue (number 6) landing shows
+    it back: a death after that counts, and stops the run."""
+    max1, s = FailurePolicy(max_generator_failures=1), LoopState(version=3, issued=6)
+    restarting = Failure(died=True, role="generator-1", cause="ActorUnavailableError: The actor is restarting.",
+                         error_type="ActorUnavailableError")
+
+    def fail(kind, payload, error):
+        facts = RunFacts(s.version, s.checkpointed, s.gen_failures, s.grader_failures, s.grader_down, s.stopping, s.gen_down)
+        actions = max1.on_failure(kind, payload, error, facts)
+        for a in actions:
+            if isinstance(a, Count):
+                s.gen_failures, s.grader_failures = a.gen_failures, a.grader_failures
+                s.mark_down(a.gen_down, a.grader_down)
+        return actions
+
+    assert not any(isinstance(a, Stop) for a in fail(BUFFERED, Request(1, [{"id": 5}], 7, issued=5), died("generator-1")))
+    assert (s.gen_failures, s.gen_down, s.down_since) == (1, frozenset({"generator-1"}), {"generator-1": 6})
+    s.landed(Request(1, [{"id": 4}], 6, issued=4))
+    assert s.gen_down == frozenset({"generator-1"})
+    assert fail(SENT, None, restarting) == (
+        Resync("weight sync failed (ActorUnavailableError: The actor is restarting.); re-forming the group"),)
+    s.landed(Request(0, [{"id": 3}], 5, issued=6))  # another generator's request: generator-1 still down
+    assert s.gen_down == frozenset({"generator-1"}) and s.gen_failures == 1
+    s.landed(Request(1, [{"id": 5}], 7, issued=6))  # the re-issue, on the restarted actor
+    assert s.gen_down == frozenset()
+    again = fail(SENT, None, restarting)
+    assert again[1] == Count(2, 0, False, frozenset({"generator-1"})) and isinstance(again[2], Stop)
+    assert "generators died 2 times (rollout.max_generator_failures=1)" in again[2].message
+
+
+def test_the_grader_death_counted_is_cleared_only_by_a_request_issued_after_it():
+    s = LoopState(issued=9)
+    s.mark_down(frozenset(), True)
+    s.landed(Request(0, [], 1, issued=8))
+    assert s.grader_down and s.down_since == {"grader": 9}
+    s.landed(Request(0, [], 1, issued=9))
+    assert not s.grader_down
 
 
 def test_the_death_past_the_limit_reissues_then_stops():
