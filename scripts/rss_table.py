@@ -1,6 +1,6 @@
 """Each actor's resident size in two windows of a run's steps: does anything grow?
 
-    python scripts/rss_table.py RUN_DIR [--windows 21-40 181-200]
+    python scripts/rss_table.py RUN_DIR [--windows 21-40 181-200] [--every 20]
 
 Reads ``RUN_DIR/history.jsonl`` (``sys/rss_mb/<actor>``: driver, buffer, learner, generatorN, one
 reading per step) and prints, per actor, the median and the minimum of each window and their
@@ -11,7 +11,10 @@ actor busy, not with what it holds. So a second table splits such an actor's rea
 modes and gives each mode's median per window: the split is the widest gap between the sorted
 readings of both windows that is at least ``--gap`` MB (default 200, the growth the run's bound
 allows) with at least a fifth of the readings on each side. The default windows are the first
-steps after warm-up and the last 20 recorded. No model, no Ray.
+steps after warm-up and the last 20 recorded. Two window medians can still differ by the chance of
+when in a step each reading was taken; ``--every N`` reads the whole run instead: each mode's median
+in consecutive N-step windows from step 21 (after warm-up) and the least-squares slope through
+them, in MB a step. No model, no Ray.
 """
 
 from __future__ import annotations
@@ -84,6 +87,31 @@ def modes(history: list[dict], first: tuple[int, int], last: tuple[int, int], ga
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
+def trend(history: list[dict], every: int, gap: float, start: int = 21) -> str:
+    """Per actor and mode (its readings split as in :func:`modes`, over the whole run; 'all' for an
+    actor with one mode): the median of each ``every``-step window from ``start`` on and the
+    least-squares slope through those medians (MB a step, by each window's middle step)."""
+    last = max((h["step"] for h in history if "step" in h), default=0)
+    spans = [(lo, min(lo + every - 1, last)) for lo in range(start, last + 1, every)]
+    run = readings(history, start, last)
+    lines = ["| actor | mode | " + " | ".join(f"{lo}-{hi}" for lo, hi in spans) + " | slope MB/step |",
+             "|---|---|" + "---|" * len(spans) + "---|"]
+    for actor in sorted(run):
+        at = split(run[actor], gap)
+        sides = ([("all", lambda x: True)] if at is None else
+                 [(f"idle (<{at:.0f})", lambda x: x < at), (f"busy (>={at:.0f})", lambda x: x >= at)])
+        for name, side in sides:
+            points = []
+            for lo, hi in spans:
+                v = [x for x in readings(history, lo, hi).get(actor, []) if side(x)]
+                points.append(((lo + hi) / 2, statistics.median(v)) if v else None)
+            got = [p for p in points if p is not None]
+            slope = f"{statistics.linear_regression(*zip(*got)).slope:+.2f}" if len({x for x, _ in got}) > 1 else "-"
+            cells = [f"{p[1]:.0f}" if p else "-" for p in points]
+            lines.append(f"| {actor} | {name} | " + " | ".join(cells) + f" | {slope} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", type=Path)
@@ -92,6 +120,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gap", type=float, default=200.0, metavar="MB",
                     help="the least gap between an actor's idle and busy readings that splits them into two modes "
                          "(default 200)")
+    ap.add_argument("--every", type=int, default=0, metavar="N",
+                    help="also each mode's median in consecutive N-step windows from step 21 and the slope through them")
     args = ap.parse_args(argv)
     path = args.run_dir / "history.jsonl"
     if not path.is_file():
@@ -109,6 +139,9 @@ def main(argv=None) -> int:
     if two:
         print(f"\ntwo modes (split at the widest gap of at least {args.gap:.0f} MB with a fifth of the readings "
               "on each side):\n" + two)
+    if args.every > 0:
+        print(f"\nover the run, {args.every}-step windows from step 21 (modes split over all its readings):\n"
+              + trend(history, args.every, args.gap))
     return 0
 
 

@@ -56,3 +56,30 @@ def test_rss_table_reads_an_actor_with_two_modes_by_each_modes_median(tmp_path):
     one = subprocess.run([sys.executable, "scripts/rss_table.py", str(tmp_path), "--windows", "1-10", "31-40",
                           "--gap", "1000"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert one.returncode == 0 and "two modes" not in one.stdout, one.stdout
+
+
+def test_rss_table_every_reads_each_modes_trend_over_the_whole_run(tmp_path):
+    """--every 20: a learner whose busy readings grow 2 MB a step and whose idle ones stay flat, and a
+    buffer with one mode that does not grow: each mode's 20-step medians from step 21, and the slope."""
+    history = []
+    for step in range(1, 101):
+        busy = step % 3 == 0
+        history.append({"step": step, "sys/rss_mb/learner": 7000.0 + 2 * step if busy else 3000.0 + step % 2,
+                        "sys/rss_mb/buffer": 330.0 + step % 3})
+    (tmp_path / "history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+    res = subprocess.run([sys.executable, "scripts/rss_table.py", str(tmp_path), "--every", "20"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = res.stdout.splitlines()
+    head = lines.index("| actor | mode | 21-40 | 41-60 | 61-80 | 81-100 | slope MB/step |")
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line.split("|")[3:-1] for line in lines[head + 2:]}
+    # split between 3001 and 7042; busy steps 21-40: 21, 24, ..., 39 -> median step 30 -> 7060, and so on
+    busy = rows[("learner", "busy (>=5022)")]
+    assert [c.strip() for c in busy] == ["7060", "7102", "7141", "7180", "+2.00"], busy
+    idle = rows[("learner", "idle (<5022)")]
+    assert [c.strip() for c in idle][-1] in ("+0.00", "-0.00"), idle
+    assert [c.strip() for c in rows[("buffer", "all")]][-1] in ("+0.00", "-0.00", "+0.01", "-0.01")
+    # without --every, no trend table
+    plain = subprocess.run([sys.executable, "scripts/rss_table.py", str(tmp_path)], cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0 and "slope MB/step" not in plain.stdout
