@@ -121,7 +121,8 @@ class TrainingLoop:
 
     def _request(self, i: int, rows: list[dict], seed: int) -> None:
         """One generation request on generator ``i``, graded and put in the buffer by reference."""
-        s, a, r = self.s, self.actors, Request(i, rows, seed, self.s.issued)
+        s, a = self.s, self.actors
+        r = Request(i, rows, seed, s.issued)
         s.issued += 1
         gen_ref = a.generators[i].generate.remote(rows, self.cfg.rollout.n, seed)
         graded = a.grader.grade.remote(rows, gen_ref)

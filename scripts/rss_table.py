@@ -94,6 +94,7 @@ def trend(history: list[dict], every: int, gap: float, start: int = 21) -> str:
     last = max((h["step"] for h in history if "step" in h), default=0)
     spans = [(lo, min(lo + every - 1, last)) for lo in range(start, last + 1, every)]
     run = readings(history, start, last)
+    per_span = [readings(history, lo, hi) for lo, hi in spans]  # each window's readings, read once
     lines = ["| actor | mode | " + " | ".join(f"{lo}-{hi}" for lo, hi in spans) + " | slope MB/step |",
              "|---|---|" + "---|" * len(spans) + "---|"]
     for actor in sorted(run):
@@ -102,8 +103,8 @@ def trend(history: list[dict], every: int, gap: float, start: int = 21) -> str:
                  [(f"idle (<{at:.0f})", lambda x: x < at), (f"busy (>={at:.0f})", lambda x: x >= at)])
         for name, side in sides:
             points = []
-            for lo, hi in spans:
-                v = [x for x in readings(history, lo, hi).get(actor, []) if side(x)]
+            for (lo, hi), got_span in zip(spans, per_span):
+                v = [x for x in got_span.get(actor, []) if side(x)]
                 points.append(((lo + hi) / 2, statistics.median(v)) if v else None)
             got = [p for p in points if p is not None]
             slope = f"{statistics.linear_regression(*zip(*got)).slope:+.2f}" if len({x for x, _ in got}) > 1 else "-"
