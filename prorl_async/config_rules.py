@@ -133,6 +133,8 @@ def validate(cfg: Config) -> None:
     _require(cur.window >= 1, "curriculum.window", f"must be >= 1, got {cur.window}")
     _require(cur.min_active >= 1, "curriculum.min_active", f"must be >= 1, got {cur.min_active}")
     _one_of(cur.signal_by, ("reward", "solved"), "curriculum.signal_by")
+    _require(cur.enabled or not cur.pinned, "curriculum.pinned",
+             f"pins pools of the curriculum ({cur.pinned!r}); set curriculum.enabled=true or leave it empty")
     _require(not cur.enabled or r.n >= 2, "curriculum.enabled",
              f"a pool's signal is the share of groups with unequal rewards: it needs rollout.n >= 2, got {r.n}")
     _require(t.eval_samples >= 1, "train.eval_samples", f"must be >= 1, got {t.eval_samples}")

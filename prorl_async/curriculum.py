@@ -28,6 +28,10 @@ pools do this per problem; here it is per pool, which needs no per-prompt histor
   As a policy sharpens, its samples of one prompt agree more often and every pool's signal falls
   together; without a floor the batches then come from the one or two pools left, and the rest
   of the mix is only probed (measured: one pool of 13 from step 153 of a 200-step run).
+* A **pinned** pool (``pinned``) is active from step 1 and never held back, whatever its signal:
+  a level the base model cannot yet solve trains from the start, for its equal share of the
+  prompts, without lowering ``min_signal`` for every pool (which keeps the weak pools in the
+  batches too; measured: a worse run). It still counts toward the floor.
 * Prompts come round-robin from the active pools (each pool an equal share, whatever its size);
   ``probe_frac`` of them (at least one per request of two or more prompts while any pool is held)
   come from the held pools in turn, so their averages keep moving and a held pool whose signal
@@ -82,7 +86,7 @@ class Curriculum:
     """The pools of a run's training rows and the rule that feeds requests from them."""
 
     def __init__(self, rows: list[dict], seed: int, min_signal: float, probe_frac: float, window: int,
-                 min_active: int = 1, signal_by: str = "reward"):
+                 min_active: int = 1, signal_by: str = "reward", pinned: tuple[str, ...] = ()):
         if not rows:
             raise ValueError("the training dataset is empty; check data.train")
         by_domain: dict[str, list[dict]] = {}
@@ -94,6 +98,11 @@ class Curriculum:
         if signal_by not in SIGNAL_BY:
             raise ValueError(f"curriculum.signal_by: {signal_by!r} is not one of {list(SIGNAL_BY)}")
         self.min_active, self.signal_by = max(1, int(min_active)), signal_by
+        unknown = sorted(set(pinned) - set(self.pools))
+        if unknown:
+            raise ValueError(f"curriculum.pinned: {', '.join(unknown)} is not a pool of data.train; its pools are "
+                             f"{', '.join(self.pools)}")
+        self.pinned = frozenset(pinned)
         self.seed = seed
         self.turn = {ACTIVE: 0, HELD: 0}  # round-robin positions
         self.probe_debt = 0.0             # probes owed (fractional) to the held pools
@@ -171,7 +180,8 @@ class Curriculum:
     def _decide(self, pool: Pool, step: int) -> str:
         if pool.status == HELD and pool.signal >= self.min_signal:
             return self._set(pool, ACTIVE, step, "re-admitted")
-        if pool.status == ACTIVE and pool.signal < self.min_signal / 2 and len(self.names(ACTIVE)) > self.min_active:
+        if (pool.status == ACTIVE and pool.name not in self.pinned and pool.signal < self.min_signal / 2
+                and len(self.names(ACTIVE)) > self.min_active):
             # the floor's pools stay (at least the last): held pools are probed, active ones feed the batches
             return self._set(pool, HELD, step, f"held back ({self.why_held(pool)})")
         return ""
@@ -199,12 +209,13 @@ class Curriculum:
         reward_sum, samples]}``) and return the table; raises :class:`NoSignal` when no pool has signal."""
         for name, pool in self.pools.items():
             self._observe(pool, results.get(name, (0, 0, 0.0, 0, 0)))
-            pool.status = ACTIVE if pool.signal >= self.min_signal else HELD
+            pool.status = ACTIVE if pool.signal >= self.min_signal or name in self.pinned else HELD
             pool.changes.append((0, pool.status, round(pool.signal, 4)))
-        if self.names(ACTIVE):
+        with_signal = [n for n, p in self.pools.items() if p.signal >= self.min_signal]
+        if with_signal:
             self._fill_floor(0)
         table = self.table("preflight")
-        if not self.names(ACTIVE):
+        if not with_signal:  # pinned pools alone, without signal, would teach nothing either
             raise NoSignal(f"no task of the training mix has signal (a group with unequal rewards in at least "
                            f"{self.min_signal:.0%} of its groups) at the start:\n{table}\nFix: easier levels of "
                            f"these tasks (task options in the source), few-shot demos (shots=2), another answer "
@@ -217,7 +228,7 @@ class Curriculum:
         rows = [f"{title}: {len(self.names(ACTIVE))} of {len(self.pools)} pools active",
                 f"{'pool':<34}{'groups':>8}{'reward':>9}{'signal':>9}  status"]
         for name, p in self.pools.items():
-            status = p.status if p.status == ACTIVE else f"held ({self.why_held(p)})"
+            status = (p.status if p.status == ACTIVE else f"held ({self.why_held(p)})") + (" (pinned)" if name in self.pinned else "")
             rows.append(f"{name:<34}{p.groups:>8}{p.pass_rate:>9.3f}{p.signal:>9.3f}  {status}")
         return "\n".join(rows)
 
@@ -256,4 +267,5 @@ def prompt_source(cfg: Config, rows: list[dict]) -> PromptSource | Curriculum:
     if not c.enabled:
         return PromptSource(rows, seed=cfg.data.shuffle_seed)
     return Curriculum(rows, seed=cfg.data.shuffle_seed, min_signal=c.min_signal, probe_frac=c.probe_frac, window=c.window,
-                      min_active=c.min_active, signal_by=c.signal_by)
+                      min_active=c.min_active, signal_by=c.signal_by,
+                      pinned=tuple(n.strip() for n in c.pinned.split(",") if n.strip()))

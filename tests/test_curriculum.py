@@ -171,3 +171,30 @@ def test_signal_by_solved_ignores_partial_credit_that_never_solves():
         by_solved.observe({"binary": [1, 1, 1.0, 4]}, step=1)
     with pytest.raises(ValueError, match="signal_by"):
         Curriculum(rows("x", 2), signal_by="score", **kw)
+
+
+def test_a_pinned_pool_without_signal_trains_from_step_1_and_is_never_held():
+    kw = dict(seed=0, min_signal=0.1, probe_frac=0.125, window=8)
+    pinned = Curriculum(rows("easy", 20) + rows("hard", 30) + rows("solved", 10), pinned=("hard",), **kw)
+    table = pinned.preflight(PREFLIGHT)
+    plain = make()
+    plain.preflight(PREFLIGHT)
+    assert plain.pools["hard"].status == HELD  # what pinning changes: without it the no-signal pool is held
+    assert pinned.names(ACTIVE) == ["easy", "hard"] and pinned.names(HELD) == ["solved"]
+    assert "hard" in table and "active (pinned)" in table
+    drawn = Counter(r["domain"] for _ in range(10) for r in pinned.next(8))
+    assert drawn["hard"] >= 30 and drawn["easy"] >= 30  # an equal share of the active prompts
+    # its signal stays at zero for many groups: a pinned pool stays; an unpinned one is held
+    lines = pinned.observe({"hard": [40, 0, 0.0, 160], "easy": [40, 0, 0.0, 160]}, step=5)
+    assert pinned.pools["hard"].status == ACTIVE and not any(ln.startswith("curriculum: hard ") for ln in lines)
+    assert pinned.pools["easy"].status == HELD  # the other active pool: held once the floor (1) allows it
+
+
+def test_pinning_alone_does_not_pass_a_mix_without_signal_and_a_wrong_name_lists_the_pools():
+    kw = dict(seed=0, min_signal=0.1, probe_frac=0.125, window=8)
+    c = Curriculum(rows("easy", 20) + rows("hard", 30), pinned=("hard",), **kw)
+    with pytest.raises(NoSignal, match="no task of the training mix has signal"):
+        c.preflight({"easy": [8, 0, 0.0, 32], "hard": [8, 0, 0.0, 32]})
+    with pytest.raises(ValueError) as err:
+        Curriculum(rows("easy", 20) + rows("hard", 30), pinned=("hrad",), **kw)
+    assert str(err.value) == "curriculum.pinned: hrad is not a pool of data.train; its pools are easy, hard"
