@@ -268,4 +268,4 @@ def prompt_source(cfg: Config, rows: list[dict]) -> PromptSource | Curriculum:
         return PromptSource(rows, seed=cfg.data.shuffle_seed)
     return Curriculum(rows, seed=cfg.data.shuffle_seed, min_signal=c.min_signal, probe_frac=c.probe_frac, window=c.window,
                       min_active=c.min_active, signal_by=c.signal_by,
-                      pinned=tuple(n.strip() for n in c.pinned.split(",") if n.strip()))
+                      pinned=tuple(c.pinned))

@@ -30,7 +30,7 @@ def test_defaults_and_overrides(tmp_path):
     ("rollout", "not of the form section.field=value"),
     ("data.eval=", "data.eval: is empty: give held-out prompts"),
     ("data.train=", "data.train: is empty and data.mix is not set"),
-    ("curriculum.pinned=rg:gcd@hard", "curriculum.pinned: pins pools of the curriculum ('rg:gcd@hard'); set curriculum.enabled=true"),
+    ("curriculum.pinned=rg:gcd@hard", "curriculum.pinned: pins pools of the curriculum (['rg:gcd@hard']); set curriculum.enabled=true"),
 ])
 def test_config_errors_name_the_field(override, needle, capsys):
     with pytest.raises(ConfigError) as e:
