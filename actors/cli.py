@@ -47,11 +47,12 @@ def _resume(args):
 def _train(args) -> int:
     cfg, resume = _resume(args) if args.resume else (load_config(args.config, args.overrides), None)
     from actors.driver import RunError, run  # Ray is imported only when a run starts
-    from actors.stopping import Stopped, Terminated, sigterm_stops_at_once
+    from actors.stopping import Stopped, Terminated, raise_if_terminated, sigterm_stops_at_once
 
     try:
         with sigterm_stops_at_once():  # the loop itself stops after what is in flight, with a checkpoint
             summary = run(cfg, resume=resume)
+            raise_if_terminated()  # one whose exception Ray's C code lost after the last wait
     except RunError as e:  # a run that had to stop: one line, the checkpoint (if any) is intact
         print(f"error: {e}", file=sys.stderr)
         return 1

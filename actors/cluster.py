@@ -32,6 +32,7 @@ from actors.grader import GraderActor
 from actors.learner import process_runtime_env, start_learner
 from actors.placement import placement_line
 from actors.replay_buffer import ReplayBufferActor
+from actors.stopping import raise_if_terminated
 
 
 def on_driver_node() -> NodeAffinitySchedulingStrategy:
@@ -433,9 +434,12 @@ class Actors:
 
 
 def get(refs, timeout: float, what: str):
-    """``ray.get`` whose failures become one clear :class:`RunError`."""
+    """``ray.get`` whose failures become one clear :class:`RunError`; a SIGTERM taken while it
+    waited stops the run here (:func:`actors.stopping.raise_if_terminated`)."""
     try:
-        return ray.get(refs, timeout=timeout)
+        out = ray.get(refs, timeout=timeout)
+        raise_if_terminated()
+        return out
     except ray.exceptions.GetTimeoutError:
         raise RunError(f"{what}: no answer within {timeout:.0f}s") from None
     except ray.exceptions.RayTaskError as e:

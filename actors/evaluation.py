@@ -18,6 +18,7 @@ from prorl_async.console import bar
 from prorl_async.tracking import Tracker
 
 from actors.cluster import Actors
+from actors.stopping import raise_if_terminated
 
 
 class StaleWeights(RuntimeError):
@@ -84,9 +85,13 @@ def preflight(cfg: Config, actors: Actors, rows_by_pool: dict) -> dict:
 
 
 def gather(refs: list, label: str = "") -> list:
-    """``ray.get(refs)`` in order; with a ``label``, a progress bar as the chunks finish."""
+    """``ray.get(refs)`` in order; with a ``label``, a progress bar as the chunks finish. A SIGTERM
+    taken while it waited stops the run here (:func:`actors.stopping.raise_if_terminated`)."""
     pending = list(refs)
     while label and pending:
         _, pending = ray.wait(pending, num_returns=1)
+        raise_if_terminated()
         bar(label, len(refs) - len(pending), len(refs))
-    return ray.get(refs)
+    out = ray.get(refs)
+    raise_if_terminated()
+    return out

@@ -2,12 +2,21 @@
 they kill) asks the loop to stop after what is in flight, with a checkpoint (:func:`stop_on_sigterm`);
 the run then ends with :class:`Stopped`, which the CLI turns into exit status 143. Outside the loop
 (start-up, the preflight, the step-0 and final evaluations) SIGTERM stops the run at once
-(:func:`sigterm_stops_at_once`, :class:`Terminated`), its actors and Ray shut down, also status 143."""
+(:func:`sigterm_stops_at_once`, :class:`Terminated`), its actors and Ray shut down, also status 143.
+
+The at-once handler raises where the main thread happens to be, and that can be inside Ray's C
+code, which runs Python's signal handlers from within its waits and hands their exception on
+only as a ``SystemError`` left pending, so code between there and the driver can lose it (a CI
+run SIGTERMed while its actors started went on to train both steps and exit 0). The signal is
+therefore also recorded, and :func:`raise_if_terminated` raises it again where the driver next
+waits on its actors (:func:`actors.cluster.get`, :func:`actors.evaluation.gather`), before the
+training loop's first step and when the run returns."""
 
 from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 
 from actors.loop_state import LoopState
@@ -50,15 +59,31 @@ def _on_sigterm(handler):
         signal.signal(signal.SIGTERM, previous)
 
 
+_received: list[str] = []  # the SIGTERM the at-once handler took, until the run ends
+
+
 def sigterm_stops_at_once():
     """SIGTERM raises :class:`Terminated` in the main thread (the default action would kill the
-    driver without its ``finally`` blocks, leaving the Ray cluster it started). Inside the loop
-    :func:`stop_on_sigterm` takes the signal over and gives it back when the loop ends."""
+    driver without its ``finally`` blocks, leaving the Ray cluster it started), and is recorded
+    for :func:`raise_if_terminated`. Inside the loop :func:`stop_on_sigterm` takes the signal over
+    and gives it back when the loop ends."""
 
     def on_sigterm(signum, _frame):
-        raise Terminated(signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        _received[:] = [name]
+        raise Terminated(name)
 
+    _received.clear()
     return _on_sigterm(on_sigterm)
+
+
+def raise_if_terminated() -> None:
+    """:class:`Terminated` if the at-once handler took a SIGTERM since it was installed: called
+    where the driver next waits, so a signal whose exception was lost on its way out of Ray's C
+    code still stops the run there, with the same line and status. Not while an exception is
+    being handled: the ``finally`` blocks that shut the actors and Ray down run to their end."""
+    if _received and sys.exc_info()[0] is None and threading.current_thread() is threading.main_thread():
+        raise Terminated(_received[0])
 
 
 def stop_on_sigterm(s: LoopState):
@@ -66,7 +91,9 @@ def stop_on_sigterm(s: LoopState):
     cleanly: the loop starts nothing new, what is in flight lands, a checkpoint is written and
     :class:`Stopped` ends the run (exit status 143); ``--resume`` continues it exactly. A second
     SIGTERM stops at once, as SIGINT does: the newest checkpoint stays. The handler only sets a
-    flag, which the loop reads at least once a second."""
+    flag, which the loop reads at least once a second. A SIGTERM the at-once handler took
+    before (:func:`raise_if_terminated`) stops the run here, before the loop's first step."""
+    raise_if_terminated()
 
     def on_sigterm(signum, _frame):
         if s.signalled:
