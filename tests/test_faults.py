@@ -43,6 +43,23 @@ def _kill_when_busy(name_suffix: str, out: dict, no_restart: bool, after_request
         time.sleep(0.1)
 
 
+def _wait_until_refused(actor, timeout_s: float = 30.0) -> None:
+    """Return once ``actor`` refuses a call (a killed actor is dead or restarting), so the next
+    call to it fails; a kill is asynchronous and calls may still reach the old process first."""
+    import ray
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            ray.get(actor.ready.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:  # still alive, busy with an earlier call
+            pass
+        time.sleep(0.01)
+    raise AssertionError(f"the killed actor still answered after {timeout_s:.0f}s")
+
+
 def test_killed_generator_is_restarted_resynced_and_its_prompts_reissued_once(ray_cluster, tmp_path, model_cache,
                                                                               monkeypatch):
     import ray
@@ -56,13 +73,16 @@ def test_killed_generator_is_restarted_resynced_and_its_prompts_reissued_once(ra
     out: dict = {}
     original = TrainingLoop._request
 
-    def request_then_kill(self, i, rows, seed):
-        original(self, i, rows, seed)
-        if i == 0 and self.s.requests >= 6 and "killed_at" not in out:  # its request is in flight
+    def kill_then_request(self, i, rows, seed):
+        if i == 0 and self.s.requests >= 6 and "killed_at" not in out:
+            # killed before its request, which then meets the restarting actor and fails; killed
+            # after it, the tiny model could finish the request first (seen in CI: nothing re-issued)
             ray.kill(self.actors.generators[0], no_restart=False)
             out["killed_at"] = time.time()
+            _wait_until_refused(self.actors.generators[0])
+        original(self, i, rows, seed)
 
-    monkeypatch.setattr(TrainingLoop, "_request", request_then_kill)
+    monkeypatch.setattr(TrainingLoop, "_request", kill_then_request)
     summary = run(cfg)
     assert "killed_at" in out, "the test never killed the generator"
     assert summary["steps"] == 12
