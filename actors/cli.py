@@ -184,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--data", required=True, help="any source data.eval accepts (file, builtin:...)")
     e.add_argument("--samples", type=int, default=4, help="samples per prompt: pass@1 is their mean, pass@K any")
     e.add_argument("--max-new-tokens", type=int, default=None, help="response length (default: rollout.max_new_tokens)")
-    e.add_argument("--out", default="", help="write the results as JSON (keys pass@1, pass@1/<domain>, pass@K ...)")
+    e.add_argument("--out", default="", help="write the results as JSON (keys pass@1, pass@1/<domain>, pass@K, se@1 ..., and outcomes: "
+                   "each prompt's [domain, correct, samples], for scripts/eval_diff.py)")
     e.add_argument("--aim", action="store_true", help="also log to an Aim run (tracking.aim_repo)")
     e.add_argument("--verbose", action="store_true", help="also show what the engines, torch and Ray print "
                    "(default: only the project's lines; the rest is in <out>-logs/, or in a temporary folder kept only "

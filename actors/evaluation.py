@@ -13,7 +13,7 @@ import ray
 
 from prorl_async.algo.sampling import DEFAULT_TOL, group_counts
 from prorl_async.config import Config
-from prorl_async.metrics import pass_at_k
+from prorl_async.metrics import PromptOutcome, pass_at_k, prompt_outcomes
 from prorl_async.console import bar
 from prorl_async.tracking import Tracker
 
@@ -26,9 +26,10 @@ class StaleWeights(RuntimeError):
 
 
 def evaluate(cfg: Config, actors: Actors, rows: list[dict], step: int, tracker: Tracker, greedy: bool = False,
-             show: bool = False, samples: int = 0) -> dict:
+             show: bool = False, samples: int = 0, outcomes: dict[str, PromptOutcome] | None = None) -> dict:
     """Held-out pass@1 (mean over samples) and pass@k, overall and per domain; ``show``: a
-    progress bar; ``samples``: per prompt, instead of ``train.eval_samples``."""
+    progress bar; ``samples``: per prompt, instead of ``train.eval_samples``; ``outcomes``: filled
+    with each prompt's :class:`~prorl_async.metrics.PromptOutcome` (what ``prorl-async eval --out`` keeps)."""
     n, chunk = (1 if greedy else samples or cfg.train.eval_samples), cfg.rollout.prompts_per_request
     refs = []
     for i in range(0, len(rows), chunk):
@@ -47,6 +48,8 @@ def evaluate(cfg: Config, actors: Actors, rows: list[dict], step: int, tracker: 
             if len(texts) < cfg.tracking.log_samples:
                 texts.append(f"[{dom}] reward={rew:.2f} :: {text}")
     out = pass_at_k(samples, None if greedy else n, "val/greedy" if greedy else "val")
+    if outcomes is not None:
+        outcomes.update(prompt_outcomes(samples))
     tracker.track(out, step, {"split": "eval"})
     if texts and not greedy:
         tracker.text("val/samples", texts, step, {"split": "eval"})

@@ -5,7 +5,10 @@ The same generators and grader as a training run's held-out evaluation
 engine at ``train.eval_temperature`` (when set; else ``rollout.temperature``), graded by the domain verifiers; pass@1 is the mean
 correctness over the samples of a prompt, pass@k whether any of them is correct
 (:func:`prorl_async.metrics.pass_at_k`); beside them, where the rows have answers, what the
-answers alone score (``prior@1`` / ``prior@k``, :func:`prorl_async.metrics.answer_prior`). Only generators and the grader are started (no
+answers alone score (``prior@1`` / ``prior@k``, :func:`prorl_async.metrics.answer_prior`), and one
+standard error of each pass@ over the prompts (``se@1`` / ``se@k``). ``--out`` keeps each prompt's
+outcome too (``outcomes``: prompt id -> [domain, correct, samples]), so that two checkpoints
+evaluated on the same ``--data`` compare prompt by prompt (``scripts/eval_diff.py``). Only generators and the grader are started (no
 learner, no buffer, no weight sync); an Aim run only with ``--aim``. The console holds only the
 project's lines, as a training run's (:mod:`prorl_async.console`): the actors' output goes to
 ``<out>-logs/`` beside ``--out``, named on the last line; without ``--out`` to a temporary folder,
@@ -30,7 +33,7 @@ from prorl_async.config import Config, config_to_dict
 from prorl_async.console import ActorWarnings, quiet_driver, verbose
 from prorl_async.data.datasets import load_source
 from prorl_async.engines.prompts import drop_unfit
-from prorl_async.metrics import answer_prior
+from prorl_async.metrics import PromptOutcome, answer_prior, pass_at_k_stderr
 from prorl_async.models import BUILTIN_PREFIX, context_length, load_tokenizer, resolve_model_path
 from prorl_async.tracking import Tracker
 
@@ -46,16 +49,21 @@ def model_override(model: str) -> str:
 
 
 def report(result: dict, k: int) -> str:
-    """pass@1 and pass@k per domain (``all`` first), one row each; with the rows' ``prior@1`` /
-    ``prior@k`` (:func:`prorl_async.metrics.answer_prior`) beside them when the data has answers."""
+    """pass@1 and pass@k per domain (``all`` first), one row each, with one standard error of each
+    over the prompts (``se@1`` / ``se@k``, :func:`prorl_async.metrics.pass_at_k_stderr`) and the
+    rows' ``prior@1`` / ``prior@k`` (:func:`prorl_async.metrics.answer_prior`) beside them when the
+    data has answers."""
     domains = ["all"] + sorted({key.split("/", 1)[1] for key in result if key.startswith("pass@1/")})
     w = max(16, *(len(d) + 2 for d in domains))
-    cols = ["pass@1", f"pass@{k}"] + (["prior@1", f"prior@{k}"][:1 + (k > 1)] if "prior@1" in result else [])
+    cols = (["pass@1", f"pass@{k}", "se@1", f"se@{k}"][:3 + (k > 1)]
+            + (["prior@1", f"prior@{k}"][:1 + (k > 1)] if "prior@1" in result else []))
     rows = ["".join([f"{'domain':<{w}}", *(f"{c:>10}" for c in cols)])]
     for d in domains:
         suffix = "" if d == "all" else f"/{d}"
         cells = [result.get(f"{c}{suffix}") for c in cols]
         rows.append("".join([f"{d:<{w}}", *(f"{'-' if v is None else f'{v:.3f}':>10}" for v in cells)]))
+    rows.append("se@: one standard error over the prompts (the choice of prompts and samples; a second "
+                "training run adds its own spread); two checkpoints on the same --data: scripts/eval_diff.py")
     if "prior@1" in result:
         rows.append("prior@: what the answers alone score, no model (prior@1: always the most common of the "
                     "other prompts' answers; prior@k: k guesses drawn from them); a pass@ near it is no sign of skill")
@@ -99,7 +107,8 @@ def _run_eval(cfg: Config, data: str, samples: int, out: str, aim: bool, log_dir
         actors = Actors(gens, GraderActor.options(**grader_options(cfg)).remote(cfg), None, None,
                         [pg for _, pg in placed if pg is not None])
         get([g.ready.remote() for g in gens] + [actors.grader.ready.remote()], 600, "starting the actors")
-        val = evaluate(cfg, actors, rows, 0, tracker, show=True, samples=samples)
+        outcomes: dict[str, PromptOutcome] = {}
+        val = evaluate(cfg, actors, rows, 0, tracker, show=True, samples=samples, outcomes=outcomes)
         for line in held.poll(actors.all(), wait_s=5.0):  # the project's warnings raised in the actors
             print(line, file=sys.stderr, flush=True)
     finally:
@@ -109,10 +118,12 @@ def _run_eval(cfg: Config, data: str, samples: int, out: str, aim: bool, log_dir
         if started:
             ray.shutdown()
     result = {key.split("/", 1)[1]: v for key, v in val.items()}  # val/pass@1/math -> pass@1/math
+    result.update(pass_at_k_stderr(outcomes, samples))
     result.update(answer_prior(rows, samples))
     result.update({"model": cfg.model.path, "data": data, "prompts": len(rows), "prompts_dropped": dropped,
                    "samples": samples,
-                   "wall_time_s": time.time() - t0, "aim_run_hash": tracker.hash})
+                   "wall_time_s": time.time() - t0, "aim_run_hash": tracker.hash,
+                   "outcomes": {pid: list(o) for pid, o in outcomes.items()}})
     print(report(result, samples), flush=True)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -12,13 +12,18 @@ metrics, held-out pass@1 / pass@k, and what a set's answers alone score.
 * ``prior@1`` / ``prior@k`` (:func:`answer_prior`): the pass@1 of always giving a set's most
   common answer and the pass@k of guessing from its answers, with no model: the line a pass@ must
   clear before it says anything of skill on a task whose answers are mostly a few values.
+* ``se@1`` / ``se@k`` (:func:`pass_at_k_stderr`): one standard error of pass@1 / pass@k as means
+  over prompts, and :func:`paired_difference`: two evaluations of the same prompts compared prompt
+  by prompt. They measure what the choice of prompts and samples adds, not how much two training
+  runs of one config differ.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter, defaultdict
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 CORRECT_TOL = 1e-6
 
@@ -87,24 +92,107 @@ def rss_mb() -> float:
         return 0.0
 
 
-def pass_at_k(samples: Iterable[tuple[str, str, float, bool]], k: int, prefix: str = "val") -> dict[str, float]:
-    """``{prefix}/pass@1`` and ``{prefix}/pass@{k}`` (omitted when ``k`` is None), overall and per
-    domain (``.../<domain>``), from ``(prompt_id, domain, reward, valid)`` of every sample."""
-    per_prompt: dict[str, list[float]] = defaultdict(list)
+class PromptOutcome(NamedTuple):
+    """One held-out prompt's samples: its domain, how many were correct, and how many were drawn."""
+
+    domain: str
+    correct: int
+    samples: int
+
+
+def prompt_outcomes(samples: Iterable[tuple[str, str, float, bool]]) -> dict[str, PromptOutcome]:
+    """``{prompt_id: PromptOutcome}`` from ``(prompt_id, domain, reward, valid)`` of every sample
+    (an invalid sample counts as drawn and not correct)."""
+    correct: dict[str, int] = defaultdict(int)
+    drawn: dict[str, int] = defaultdict(int)
     domain_of: dict[str, str] = {}
     for pid, dom, reward, valid in samples:
-        per_prompt[pid].append(1.0 if valid and is_correct(reward) else 0.0)
+        correct[pid] += bool(valid and is_correct(reward))
+        drawn[pid] += 1
         domain_of[pid] = dom
-    groups = {"all": list(per_prompt)}
-    for pid, dom in domain_of.items():
-        groups.setdefault(dom, []).append(pid)
+    return {pid: PromptOutcome(domain_of[pid], correct[pid], drawn[pid]) for pid in drawn}
+
+
+def _by_domain(outcomes: dict[str, PromptOutcome]) -> dict[str, list[str]]:
+    """``{"all": every prompt id, domain: its prompt ids}``, in first-seen order."""
+    groups = {"all": list(outcomes)}
+    for pid, o in outcomes.items():
+        groups.setdefault(o.domain, []).append(pid)
+    return groups
+
+
+def pass_at_k(samples: Iterable[tuple[str, str, float, bool]], k: int | None, prefix: str = "val") -> dict[str, float]:
+    """``{prefix}/pass@1`` and ``{prefix}/pass@{k}`` (omitted when ``k`` is None), overall and per
+    domain (``.../<domain>``), from ``(prompt_id, domain, reward, valid)`` of every sample."""
+    outcomes = prompt_outcomes(samples)
     out = {}
-    for dom, pids in groups.items():
+    for dom, pids in _by_domain(outcomes).items():
         key = "" if dom == "all" else f"/{dom}"
-        out[f"{prefix}/pass@1{key}"] = sum(sum(per_prompt[p]) / len(per_prompt[p]) for p in pids) / len(pids)
+        out[f"{prefix}/pass@1{key}"] = sum(outcomes[p].correct / outcomes[p].samples for p in pids) / len(pids)
         if k is not None:
-            out[f"{prefix}/pass@{k}{key}"] = sum(max(per_prompt[p]) for p in pids) / len(pids)
+            out[f"{prefix}/pass@{k}{key}"] = sum(outcomes[p].correct > 0 for p in pids) / len(pids)
     return out
+
+
+def stderr_of_mean(values: list[float]) -> float:
+    """Standard error of the mean of ``values``: sample standard deviation over sqrt(n), n >= 2."""
+    n = len(values)
+    mean = sum(values) / n
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+
+
+def pass_at_k_stderr(outcomes: dict[str, PromptOutcome], k: int) -> dict[str, float]:
+    """``se@1`` and ``se@{k}`` (``k`` > 1), overall and per domain (``.../<domain>``): one standard
+    error of pass@1 and pass@k, each the mean over prompts of a per-prompt score (the share of its
+    samples correct; whether any is). Omitted for a domain of fewer than 2 prompts. With n prompts
+    a pass@1 near p has a standard error near sqrt(p(1-p)/n) or less: 16 prompts at p = 0.5 read
+    to about ±0.12, so two evaluations 0.05 apart on them are not told apart."""
+    out = {}
+    for dom, pids in _by_domain(outcomes).items():
+        if len(pids) < 2:
+            continue
+        key = "" if dom == "all" else f"/{dom}"
+        out[f"se@1{key}"] = stderr_of_mean([outcomes[p].correct / outcomes[p].samples for p in pids])
+        if k > 1:
+            out[f"se@{k}{key}"] = stderr_of_mean([float(outcomes[p].correct > 0) for p in pids])
+    return out
+
+
+class Difference(NamedTuple):
+    """``after - before`` of a mean over prompts, prompt by prompt, and its standard error."""
+
+    before: float
+    after: float
+    diff: float
+    se: float
+    prompts: int
+
+
+def paired_difference(before: dict[str, PromptOutcome], after: dict[str, PromptOutcome], pids: list[str],
+                      any_correct: bool = False) -> Difference:
+    """pass@1 (``any_correct``: pass@k) of ``pids`` in two evaluations of the same prompts, and the
+    standard error of their difference from the per-prompt differences (a prompt easy in both
+    cancels out, which an unpaired comparison cannot use). ``se`` is 0 below 2 prompts."""
+    def score(o: PromptOutcome) -> float:
+        return float(o.correct > 0) if any_correct else o.correct / o.samples
+
+    missing = [p for p in pids if p not in before or p not in after]
+    if missing or not pids:
+        raise ValueError(f"paired_difference: {len(missing)} of {len(pids)} prompts are not in both evaluations "
+                         f"(e.g. {missing[:3]}); compare evaluations of the same --data")
+    b, a = [score(before[p]) for p in pids], [score(after[p]) for p in pids]
+    d = [y - x for x, y in zip(b, a)]
+    n = len(pids)
+    return Difference(sum(b) / n, sum(a) / n, sum(d) / n, stderr_of_mean(d) if n > 1 else 0.0, n)
+
+
+def mean_of(parts: list[Difference]) -> Difference:
+    """The unweighted mean of per-domain differences (the docs' "mean over the easy pools"), its
+    standard error from theirs (domains' prompts drawn independently)."""
+    m = len(parts)
+    return Difference(sum(p.before for p in parts) / m, sum(p.after for p in parts) / m,
+                      sum(p.diff for p in parts) / m, math.sqrt(sum(p.se ** 2 for p in parts)) / m,
+                      sum(p.prompts for p in parts))
 
 
 def answer_prior(rows: Iterable[dict], k: int) -> dict[str, float]:

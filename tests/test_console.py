@@ -35,8 +35,9 @@ PROJECT_LINES = [re.compile(p) for p in (
     r"best: val/\S+ -?\d+\.\d{3} at step \d+ (-> \S+|\(\S+\))$", r"best so far: val/\S+ .*",  # train.keep_best
     r"stopping: val/\S+ .*", r"stopped early: val/\S+ .*",  # train.stop_at
     r"(warning|error): .+",  # the project's warnings and errors (an actor's: "warning: [grader] ...")
-    r"domain +pass@1 +pass@\d+( +prior@1( +prior@\d+)?)?$",  # prorl-async eval's table
-    r"\S+ +\d\.\d{3} +(\d\.\d{3}|nan)( +(\d\.\d{3}|-)){0,2}$", r"prior@: what the answers alone score, .*",
+    r"domain +pass@1 +pass@\d+ +se@1( +se@\d+)?( +prior@1( +prior@\d+)?)?$",  # prorl-async eval's table
+    r"\S+ +\d\.\d{3} +(\d\.\d{3}|nan)( +(\d\.\d{3}|-)){0,4}$", r"prior@: what the answers alone score, .*",
+    r"se@: one standard error over the prompts .*",
     r"wrote \S+$", r"actors' output: \S+$",  # prorl-async eval
 )]
 

@@ -14,7 +14,7 @@ import pytest
 
 from prorl_async.checkpoint import policy_folder
 from prorl_async.data.arithmetic import generate
-from prorl_async.metrics import answer_prior
+from prorl_async.metrics import PromptOutcome, answer_prior, pass_at_k_stderr
 from tests.conftest import cli
 from tests.test_console import foreign_lines
 
@@ -39,7 +39,16 @@ def test_eval_a_builtin_model_on_a_verl_parquet(tmp_path, model_cache):
     assert set(prior) == {"prior@1", "prior@3", "prior@1/arithmetic", "prior@3/arithmetic"}
     assert {key: r[key] for key in prior} == pytest.approx(prior)
     header = next(line for line in res.stdout.splitlines() if line.startswith("domain"))
-    assert header.split() == ["domain", "pass@1", "pass@3", "prior@1", "prior@3"], res.stdout[-2000:]
+    assert header.split() == ["domain", "pass@1", "pass@3", "se@1", "se@3", "prior@1", "prior@3"], res.stdout[-2000:]
+    # each prompt's outcome is kept, and the means and standard errors are theirs
+    outcomes = {pid: PromptOutcome(*o) for pid, o in r["outcomes"].items()}
+    assert len(outcomes) == 24 and {(o.domain, o.samples) for o in outcomes.values()} == {("arithmetic", 3)}
+    assert r["pass@1"] == pytest.approx(sum(o.correct / 3 for o in outcomes.values()) / 24)
+    assert r["pass@3"] == pytest.approx(sum(o.correct > 0 for o in outcomes.values()) / 24)
+    se = pass_at_k_stderr(outcomes, 3)
+    assert set(se) == {"se@1", "se@3", "se@1/arithmetic", "se@3/arithmetic"}
+    assert {key: r[key] for key in se} == pytest.approx(se)
+    assert 0 < r["se@1"] < 0.5
     assert not (tmp_path / "aim").exists() and r["aim_run_hash"] is None  # no Aim run unless --aim
     assert not list(tmp_path.glob("runs*"))  # nor a training run directory
     # the console holds the project's lines only; the actors' output is in r-logs/, named at the end
@@ -55,7 +64,9 @@ def test_eval_humaneval_with_the_tiny_model_completes(tmp_path, model_cache):
               "--max-new-tokens", "8", "model.warmup_steps=200", f"model.cache_dir={model_cache}", "ray.num_cpus=2",
               cwd=tmp_path, env={"TMPDIR": str(tmp)})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    rows = {m[1]: (float(m[2]), float(m[3])) for m in re.finditer(r"^(\w+)\s+([\d.]+)\s+([\d.]+)$", res.stdout, re.M)}
+    # domain, pass@1, pass@2, and their standard errors
+    rows = {m[1]: (float(m[2]), float(m[3])) for m in re.finditer(r"^(\w+)\s+([\d.]+)\s+([\d.]+)\s+[\d.]+\s+[\d.]+$",
+                                                                 res.stdout, re.M)}
     assert set(rows) == {"all", "code"} and rows["all"] == rows["code"], res.stdout[-2000:]
     assert 0 <= rows["code"][0] <= rows["code"][1] <= 1
     assert "actors' output" not in res.stdout + res.stderr

@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from prorl_async.metrics import answer_prior, domain_metrics, is_correct, pass_at_k, rollout_metrics, utilisation_metrics
+from prorl_async.metrics import (Difference, PromptOutcome, answer_prior, domain_metrics, is_correct, mean_of,
+                                 paired_difference, pass_at_k, pass_at_k_stderr, prompt_outcomes, rollout_metrics,
+                                 utilisation_metrics)
 
 
 def test_is_correct_is_one_rule_for_floats_arrays_and_tensors():
@@ -52,6 +54,42 @@ def test_pass_at_k_overall_and_per_domain():
     assert out["val/pass@1/code"] == 1.0 and out["val/pass@2/code"] == 1.0
     greedy = pass_at_k([("p1", "math", 1.0, True)], k=None, prefix="val/greedy")
     assert greedy == {"val/greedy/pass@1": 1.0, "val/greedy/pass@1/math": 1.0}
+
+
+def test_pass_at_k_standard_errors_by_hand():
+    samples = [("p1", "math", 1.0, True), ("p1", "math", 0.0, True),   # 1 of 2 right
+               ("p2", "math", 1.0, False), ("p2", "math", 0.0, True),  # an invalid sample is drawn, not right
+               ("p3", "code", 1.0, True), ("p3", "code", 1.0, True)]
+    outcomes = prompt_outcomes(samples)
+    assert outcomes == {"p1": PromptOutcome("math", 1, 2), "p2": PromptOutcome("math", 0, 2),
+                        "p3": PromptOutcome("code", 2, 2)}
+    se = pass_at_k_stderr(outcomes, 2)
+    # math: per-prompt pass@1 0.5 and 0 (mean 0.25, sample variance 0.125): sqrt(0.125 / 2) = 0.25;
+    # pass@2 1 and 0 (variance 0.5): sqrt(0.5 / 2) = 0.5; all: 0.5, 0, 1 (variance 0.25): sqrt(0.25 / 3)
+    assert se["se@1/math"] == pytest.approx(0.25) and se["se@2/math"] == pytest.approx(0.5)
+    assert se["se@1"] == pytest.approx((0.25 / 3) ** 0.5) and se["se@2"] == pytest.approx((1 / 3 / 3) ** 0.5)
+    assert "se@1/code" not in se  # one prompt has no spread to read
+    assert "se@1" in pass_at_k_stderr(outcomes, 1) and "se@1/math" in pass_at_k_stderr(outcomes, 1)
+    assert not any(key.startswith("se@2") for key in pass_at_k_stderr(outcomes, 1))
+
+
+def test_paired_difference_reads_the_per_prompt_differences():
+    before = {"a": PromptOutcome("m", 0, 4), "b": PromptOutcome("m", 2, 4), "c": PromptOutcome("m", 4, 4)}
+    after = {"a": PromptOutcome("m", 2, 4), "b": PromptOutcome("m", 2, 4), "c": PromptOutcome("m", 4, 4)}
+    d = paired_difference(before, after, ["a", "b", "c"])
+    # differences 0.5, 0, 0: mean 1/6, sample variance 1/12, standard error sqrt(1/12 / 3) = 1/6
+    assert d == pytest.approx(Difference(0.5, 2 / 3, 1 / 6, 1 / 6, 3))
+    # unpaired, the two means' errors combined (sqrt(1/12 + 1/36) = 1/3) are twice that: the prompts'
+    # own spread (0 .. 1 in both) cancels prompt by prompt
+    unpaired = (pass_at_k_stderr(before, 4)["se@1"] ** 2 + pass_at_k_stderr(after, 4)["se@1"] ** 2) ** 0.5
+    assert unpaired == pytest.approx(1 / 3) == pytest.approx(2 * d.se)
+    k = paired_difference(before, after, ["a", "b", "c"], any_correct=True)
+    assert k == pytest.approx(Difference(2 / 3, 1.0, 1 / 3, (1 / 3 / 3) ** 0.5, 3))
+    with pytest.raises(ValueError, match="1 of 2 prompts are not in both evaluations.*same --data"):
+        paired_difference(before, {"a": after["a"]}, ["a", "b"])
+    # the mean of two domains' differences: errors add in quadrature, over the number of domains
+    m = mean_of([Difference(0.0, 1.0, 1.0, 0.3, 4), Difference(0.5, 0.5, 0.0, 0.4, 6)])
+    assert m == pytest.approx(Difference(0.25, 0.75, 0.5, 0.25, 10))
 
 
 def test_answer_prior_scores_what_guessing_from_the_other_prompts_answers_passes():
