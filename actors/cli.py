@@ -89,13 +89,30 @@ def _eval(args) -> int:
         extra.append(f"rollout.max_new_tokens={args.max_new_tokens}")
     cfg = load_config(args.config, [*args.overrides, *extra])
     from actors.cluster import RunError
+    from actors.stopping import Terminated, raise_if_terminated, sigterm_stops_at_once
 
     try:
-        run_eval(cfg, args.data, args.samples, out=args.out, aim=args.aim)
+        with sigterm_stops_at_once():  # its actors and the Ray it started shut down, as a run's before step 1
+            run_eval(cfg, args.data, args.samples, out=args.out, aim=args.aim)
+            raise_if_terminated()
     except RunError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except Terminated as t:
+        return _eval_stopped(t, args.out)
+    except Exception as e:  # SIGTERM inside Ray's C code (a ray.get) comes back as a SystemError caused by it
+        if (t := _caused_by(e, Terminated)) is None:
+            raise
+        return _eval_stopped(t, args.out)
     return 0
+
+
+def _eval_stopped(t: BaseException, out: str) -> int:
+    """One line for an evaluation stopped by SIGTERM, and the status a shell reports for it."""
+    name = getattr(t, "signal_name", "SIGTERM")
+    wrote = f"{out} not written" if out else "nothing written"
+    print(f"stopped by {name} during the evaluation: {wrote}; run it again to evaluate", file=sys.stderr)
+    return 128 + signal.SIGTERM
 
 
 def _config(args) -> int:

@@ -97,3 +97,51 @@ def test_eval_bad_arguments_are_one_error_line(tmp_path):
     assert res.returncode == 2 and res.stderr.startswith("error: ") and "Traceback" not in res.stderr
     assert "nope" in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert [p for p in tmp.iterdir() if p.name.startswith("prorl-eval-logs-")] == []  # no actor started: no logs kept
+
+
+def test_sigterm_stops_an_evaluation_with_one_line_and_shuts_its_ray_down(tmp_path, model_cache):
+    """SIGTERM (a scheduler's stop, ``kill``) while the samples are drawn: exit status 143, one line
+    saying the --out file was not written, no traceback, and the Ray cluster the evaluation started
+    gone with it. Before, Ray's own signal handler printed a C stack dump and nothing of the project's."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    from tests import _cli_fork
+
+    log = tmp_path / "eval.log"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    p = _cli_fork.start(["eval", "--model", "builtin:tiny-arith", "--data", "builtin:arithmetic?n=400&seed=2&split=eval",
+                         "--samples", "16", "--out", "r.json", "model.warmup_steps=200", f"model.cache_dir={model_cache}",
+                         "ray.num_cpus=2"], str(tmp_path), env, str(log), new_session=True)
+    try:
+        end = time.time() + 300
+        while not re.search(r"sampled held-out evaluation", log.read_text(errors="replace")):
+            assert p.poll() is None and time.time() < end, log.read_text()[-3000:]
+            time.sleep(0.05)
+        cluster = {c: c.cmdline() for c in psutil.Process(p.pid).children(recursive=True)}
+        os.kill(p.pid, signal.SIGTERM)  # the CLI alone, as `kill PID` sends it
+        rc = p.wait(timeout=300)
+        deadline = time.time() + 60  # the cluster's processes are in sessions of their own
+        while (left := [c.pid for c in cluster if _alive(c)]) and time.time() < deadline:
+            time.sleep(1)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    out = log.read_text()
+    assert rc == 128 + signal.SIGTERM, out[-3000:]
+    assert "stopped by SIGTERM during the evaluation: r.json not written" in out, out[-3000:]
+    assert "Traceback" not in out and "logging.cc" not in out and not (tmp_path / "r.json").exists(), out[-3000:]
+    assert any("raylet" in " ".join(cmd) for cmd in cluster.values()), list(cluster.values())  # the check saw Ray
+    assert left == [], f"processes of the stopped evaluation still alive: {left}"
+
+
+def _alive(proc) -> bool:
+    import psutil
+
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
