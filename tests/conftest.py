@@ -203,6 +203,53 @@ def smollm2_model(model_cache):
     return str(build_smollm2(ModelConfig(cache_dir=model_cache), log=lambda *_: None))
 
 
+def process_tree(pid: int) -> dict:
+    """``{process: its command line}`` of ``pid``'s descendants (a CLI's Ray cluster), taken at once;
+    empty if ``pid`` is gone."""
+    import psutil
+
+    def cmdline(proc) -> list[str]:
+        try:
+            return proc.cmdline()
+        except psutil.Error:
+            return []
+
+    try:
+        return {c: cmdline(c) for c in psutil.Process(pid).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return {}
+
+
+def still_alive(procs, wait_s: float = 60) -> list[int]:
+    """The pids of ``procs`` still running (zombies count as gone) after waiting up to ``wait_s``
+    for them to exit."""
+    import time
+
+    import psutil
+
+    def alive(proc) -> bool:
+        try:
+            return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.time() + wait_s
+    while (left := [c.pid for c in procs if alive(c)]) and time.time() < deadline:
+        time.sleep(1)
+    return left
+
+
+def stopped_by(proc, send) -> tuple[int, dict, list[int]]:
+    """``send()`` (a signal to a CLI started with tests/_cli_fork.py, or a wait that ends with one),
+    then the CLI's exit status, its processes as they were right after the signal
+    (:func:`process_tree`) and those of them still alive a minute after it exited
+    (:func:`still_alive`: a Ray cluster runs in sessions of its own)."""
+    send()
+    cluster = process_tree(proc.pid)  # taken at once: the CLI shuts its cluster down for a second or more
+    rc = proc.wait(timeout=300)
+    return rc, cluster, still_alive(cluster)
+
+
 def cli(*args, cwd=None, env=None, timeout=600, raw=False, fresh=False):
     """Run the real console entry point (``actors.cli.main``) in a process of its own, stdout and
     stderr captured, as ``subprocess.run`` returns them. ``raw``: its output as bytes, as written (text

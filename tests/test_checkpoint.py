@@ -30,13 +30,12 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from prorl_async import checkpoint
 from prorl_async.checkpoint import CheckpointError
 from prorl_async.learners.files import read_learner
-from tests.conftest import ROOT, cli
+from tests.conftest import ROOT, cli, stopped_by
 
 
 # ---------------------------------------------------------------------------- pure parts
@@ -582,18 +581,11 @@ def test_sigterm_before_step_one_stops_at_once_and_shuts_its_ray_down(tmp_path, 
     errors: list = []
     try:
         if when.startswith("logs/"):  # the learner's process has started: the driver waits for the actors
-            _signal_on_file(p, tmp_path / "stopped" / when, errors)
+            send = lambda: _signal_on_file(p, tmp_path / "stopped" / when, errors)  # noqa: E731
         else:
-            _signal_on(p, log, when, signal.SIGTERM, errors)
+            send = lambda: _signal_on(p, log, when, signal.SIGTERM, errors)  # noqa: E731
+        rc, cluster, left = stopped_by(p, send)
         assert not errors, errors
-        try:  # the cluster's processes, taken at once: the driver shuts them down for a second or more
-            cluster = {c: _cmdline(c) for c in psutil.Process(p.pid).children(recursive=True)}
-        except psutil.NoSuchProcess:
-            cluster = {}
-        rc = p.wait(timeout=300)
-        deadline = time.time() + 60  # they exit with it (in sessions of their own: not its process group)
-        while (left := [c.pid for c in cluster if _alive(c)]) and time.time() < deadline:
-            time.sleep(1)
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
@@ -604,16 +596,3 @@ def test_sigterm_before_step_one_stops_at_once_and_shuts_its_ray_down(tmp_path, 
     assert any("raylet" in " ".join(cmd) for cmd in cluster.values()), list(cluster.values())  # the check saw Ray
     assert left == [], f"processes of the stopped run still alive: {left}"
 
-
-def _cmdline(proc) -> list[str]:
-    try:
-        return proc.cmdline()
-    except psutil.Error:
-        return []
-
-
-def _alive(proc) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False

@@ -15,7 +15,7 @@ import pytest
 from prorl_async.checkpoint import policy_folder
 from prorl_async.data.arithmetic import generate
 from prorl_async.metrics import PromptOutcome, answer_prior, pass_at_k_stderr
-from tests.conftest import cli
+from tests.conftest import cli, stopped_by
 from tests.test_console import foreign_lines
 
 
@@ -107,8 +107,6 @@ def test_sigterm_stops_an_evaluation_with_one_line_and_shuts_its_ray_down(tmp_pa
     import signal
     import time
 
-    import psutil
-
     from tests import _cli_fork
 
     log = tmp_path / "eval.log"
@@ -121,12 +119,7 @@ def test_sigterm_stops_an_evaluation_with_one_line_and_shuts_its_ray_down(tmp_pa
         while not re.search(r"sampled held-out evaluation", log.read_text(errors="replace")):
             assert p.poll() is None and time.time() < end, log.read_text()[-3000:]
             time.sleep(0.05)
-        cluster = {c: c.cmdline() for c in psutil.Process(p.pid).children(recursive=True)}
-        os.kill(p.pid, signal.SIGTERM)  # the CLI alone, as `kill PID` sends it
-        rc = p.wait(timeout=300)
-        deadline = time.time() + 60  # the cluster's processes are in sessions of their own
-        while (left := [c.pid for c in cluster if _alive(c)]) and time.time() < deadline:
-            time.sleep(1)
+        rc, cluster, left = stopped_by(p, lambda: os.kill(p.pid, signal.SIGTERM))  # the CLI alone, as `kill PID`
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
@@ -136,12 +129,3 @@ def test_sigterm_stops_an_evaluation_with_one_line_and_shuts_its_ray_down(tmp_pa
     assert "Traceback" not in out and "logging.cc" not in out and not (tmp_path / "r.json").exists(), out[-3000:]
     assert any("raylet" in " ".join(cmd) for cmd in cluster.values()), list(cluster.values())  # the check saw Ray
     assert left == [], f"processes of the stopped evaluation still alive: {left}"
-
-
-def _alive(proc) -> bool:
-    import psutil
-
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
