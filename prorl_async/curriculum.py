@@ -21,7 +21,9 @@ pools do this per problem; here it is per pool, which needs no per-prompt histor
   rollouts are; the table of mean reward and signal per pool is printed and the pools are split.
   No pool with signal: the run stops at once with that table (:class:`NoSignal`).
 * A pool is **active** while its signal is at least ``min_signal`` and **held** otherwise
-  (too hard: pass rate <= 0.5, or solved); an active pool is held only once its signal falls
+  (the console says why: **too hard** below a pass rate of 0.25, **solved** above 0.75, and
+  **settled** between, where each prompt's samples agree, some prompts always right and others
+  never, so no group has a gradient); an active pool is held only once its signal falls
   below half of ``min_signal`` (hysteresis), so a pool does not flip on one unlucky request.
 * At least ``min_active`` pools stay active (a **floor**): an active pool is not held while the
   floor would break, and when fewer are active the held pools with the most signal are admitted.
@@ -54,6 +56,8 @@ if TYPE_CHECKING:
     from prorl_async.config import Config
 
 ACTIVE, HELD = "active", "held"
+# why a pool without signal is held, by its pass rate (the console's words; the decision is the signal's)
+TOO_HARD_BELOW, SOLVED_ABOVE = 0.25, 0.75
 SIGNAL_BY = ("reward", "solved")
 
 
@@ -202,7 +206,9 @@ class Curriculum:
 
     @staticmethod
     def why_held(pool: Pool) -> str:
-        return "too hard" if pool.pass_rate <= 0.5 else "solved"
+        if pool.pass_rate < TOO_HARD_BELOW:
+            return "too hard"
+        return "solved" if pool.pass_rate > SOLVED_ABOVE else "settled"
 
     def preflight(self, results: dict) -> str:
         """Set every pool from its preflight (``results``: ``{pool: [groups, signal_groups,

@@ -82,6 +82,24 @@ def test_a_held_pool_is_readmitted_when_its_signal_rises_and_held_again_when_it_
     assert [ch[:2] for ch in c.pools["hard"].changes] == [(0, HELD), (5, ACTIVE), (9, HELD)]
 
 
+def test_a_held_pool_is_called_too_hard_settled_or_solved_by_its_pass_rate():
+    # groups without signal are all right or all wrong: a pass rate between the two ends means some
+    # prompts always right and others never (seen at step 178 of a run: signal 0.05, pass rate 0.40)
+    c = make(min_signal=0.2, window=4)
+    c.preflight({"easy": [8, 4, 10.0, 32], "hard": [8, 4, 10.0, 32], "solved": [8, 4, 10.0, 32]})
+    assert c.names(HELD) == []
+    lines = c.observe({"easy": [40, 20, 60.0, 160], "hard": [40, 0, 64.0, 160], "solved": [40, 0, 160.0, 160]},
+                      step=7)
+    assert c.names(ACTIVE) == ["easy"] and sorted(c.names(HELD)) == ["hard", "solved"]
+    said = {ln.split()[1]: ln for ln in lines}
+    assert "held back (settled) at step 7" in said["hard"] and "pass rate 0.40" in said["hard"]
+    assert "held back (solved) at step 7" in said["solved"]
+    table = {ln.split()[0]: ln for ln in c.table("now").splitlines()[2:]}
+    assert table["hard"].endswith("held (settled)") and table["solved"].endswith("held (solved)")
+    c.pools["hard"].pass_rate = 0.24
+    assert c.why_held(c.pools["hard"]) == "too hard"
+
+
 def test_the_last_active_pool_is_never_held():
     c = make()
     c.preflight(PREFLIGHT)

@@ -56,7 +56,7 @@ def pool_table(text: str, title: str) -> dict[str, tuple[int, float, float, str]
         lines[start:start + 2]
     out = {}
     for line in lines[start + 2:]:
-        m = re.match(r"^(\S+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+(active|held \((?:too hard|solved)\))$", line)
+        m = re.match(r"^(\S+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+(active|held \((?:too hard|settled|solved)\))$", line)
         if not m:
             break
         out[m[1]] = (int(m[2]), float(m[3]), float(m[4]), m[5])
