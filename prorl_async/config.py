@@ -118,6 +118,8 @@ class AlgoConfig:
     ref_reset_interval: int = _f(0, "reset the reference policy every N steps (0 = never)")
     ref_kl_spike_factor: float = _f(0.0, "reset on KL above this factor times the recent mean (0 = off)")
     ref_kl_window: int = _f(10, "number of recent KL values the spike test compares against")
+    ref_kl_max: float = _f(0.0, "reset on KL (the step's kl/loss_term) above this fixed level, cause kl_spike (0 = off): "
+                                "catches the steady climb between resets that the factor test misses")
     ref_val_patience: int = _f(0, "reset after this many evaluations without a new best (0 = off)")
     ref_reset_optimizer: bool = _f(True, "clear optimizer state at a reference reset")
 

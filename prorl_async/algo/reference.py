@@ -11,7 +11,8 @@ This class turns those rules into one decision per step:
 * ``"interval"`` -- ``step - last_reset_step >= interval`` (last reset of any cause; the
   run starts with the reference equal to the initial policy at step 0);
 * ``"kl_spike"`` -- the latest KL exceeds ``kl_spike_factor`` times the mean of the previous
-  ``kl_window`` KL values (checked only once that many exist since the last reset);
+  ``kl_window`` KL values (checked only once that many exist since the last reset), or it
+  exceeds ``kl_max``, a fixed level (checked at every step);
 * ``"val_stall"`` -- ``val_patience`` validation evaluations in a row without a new best
   score (since the last reset).
 
@@ -20,6 +21,11 @@ Deviations / choices
 * The KL-spike trigger is an addition of this project (the paper inspects KL by eye); the
   window mean must be positive for a spike to count (a flat-zero KL right after a reset
   would otherwise make any positive value a "spike").
+* ``kl_max`` is the other half of that trigger, for the KL's usual shape between resets: it
+  grows steadily from 0, so a test against its own recent mean fires early, where it is
+  smallest, and not on a late climb (the balanced config's tenth attempt,
+  docs/prorl_in_miniature.md: a factor of 3 would have fired at steps 61 and 162, never during
+  the climb to 0.5-1.4 a step over steps 176-200). A fixed level catches that climb.
 * When several triggers fire in one step the cause reported is the first of
   ``interval``, ``kl_spike``, ``val_stall``; one reset is done.
 * After a reset the KL history and the validation best restart, so the next evaluation
@@ -62,11 +68,13 @@ class ReferenceResetPolicy:
         kl_window: Optional[int] = None,
         val_patience: Optional[int] = None,
         reset_optimizer: bool = False,
+        kl_max: Optional[float] = None,
     ) -> None:
         self.interval = int(interval) if _enabled(interval) else 0
         spike_on = _enabled(kl_spike_factor) and _enabled(kl_window)
         self.kl_spike_factor = float(kl_spike_factor) if spike_on else 0.0
         self.kl_window = int(kl_window) if spike_on else 0
+        self.kl_max = float(kl_max) if _enabled(kl_max) else 0.0
         self.val_patience = int(val_patience) if _enabled(val_patience) else 0
         self.reset_optimizer = bool(reset_optimizer)
 
@@ -103,6 +111,8 @@ class ReferenceResetPolicy:
                     if window_mean > 0 and kl > self.kl_spike_factor * window_mean:
                         causes.append("kl_spike")
                 self._kl_history.append(kl)
+            if self.kl_max and kl > self.kl_max and "kl_spike" not in causes:
+                causes.append("kl_spike")
         if val_score is not None and self.val_patience:
             val_score = float(val_score)
             if not math.isfinite(val_score):
@@ -140,6 +150,7 @@ class ReferenceResetPolicy:
             "interval": self.interval,
             "kl_spike_factor": self.kl_spike_factor,
             "kl_window": self.kl_window,
+            "kl_max": self.kl_max,
             "val_patience": self.val_patience,
             "reset_optimizer": self.reset_optimizer,
             "last_reset_step": self.last_reset_step,
@@ -158,6 +169,7 @@ class ReferenceResetPolicy:
             kl_window=state["kl_window"],
             val_patience=state["val_patience"],
             reset_optimizer=state["reset_optimizer"],
+            kl_max=state.get("kl_max", 0.0),  # a checkpoint written before kl_max existed: off, as it ran
         )
         self.last_reset_step = int(state["last_reset_step"])
         self.last_step = int(state["last_step"])

@@ -77,7 +77,7 @@ def algo_state(a) -> tuple[LengthPenaltySchedule, ReferenceResetPolicy]:
     return (LengthPenaltySchedule(a.length_on_steps, a.length_off_steps, a.length_start_step),
             ReferenceResetPolicy(interval=a.ref_reset_interval, kl_spike_factor=a.ref_kl_spike_factor,
                                  kl_window=a.ref_kl_window, val_patience=a.ref_val_patience,
-                                 reset_optimizer=a.ref_reset_optimizer))
+                                 reset_optimizer=a.ref_reset_optimizer, kl_max=a.ref_kl_max))
 
 
 class NonFiniteStepError(RuntimeError):

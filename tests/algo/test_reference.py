@@ -52,8 +52,39 @@ def test_val_stall_after_patience_evaluations_without_new_best():
     assert p.metrics()["ref/resets_val_stall"] == 2
 
 
+def test_kl_max_resets_a_steady_climb_that_the_factor_test_never_calls_a_spike():
+    # the shape of the KL between resets (the balanced config's tenth attempt, steps 151-200): it
+    # grows by about a tenth a step from 0.01, so each value is ~1.7x the mean of the 10 before it
+    climb = [(step, 0.01 * 1.1 ** step) for step in range(1, 60)]
+    factor = ReferenceResetPolicy(kl_spike_factor=3.0, kl_window=10)
+    assert [factor.update(s, kl=kl) for s, kl in climb] == [None] * len(climb)
+    both = ReferenceResetPolicy(kl_spike_factor=3.0, kl_window=10, kl_max=0.5)
+    fired = {s: c for s, kl in climb if (c := both.update(s, kl=kl))}
+    first = next(s for s, kl in climb if kl > 0.5)  # step 42: 0.549
+    # the same cause as the factor test; the level is judged every step, the history restarting
+    # at each reset does not hold it back
+    assert fired == {s: "kl_spike" for s, _ in climb[first - 1:]}
+    assert both.metrics()["ref/resets_kl_spike"] == len(climb) - first + 1
+    at = ReferenceResetPolicy(kl_max=0.5)
+    assert at.update(1, kl=0.5) is None and at.update(2, kl=0.5000001) == "kl_spike"  # above, not at
+
+
+def test_kl_max_comes_from_the_config_and_an_older_checkpoint_resumes_without_it():
+    from prorl_async.config import load_config
+    from prorl_async.learners.core import algo_state
+
+    _, policy = algo_state(load_config(None, ["algo.ref_kl_max=0.5"]).algo)
+    assert policy.kl_max == 0.5 and policy.update(1, kl=0.6) == "kl_spike"
+    assert algo_state(load_config(None, []).algo)[1].kl_max == 0.0  # off by default
+    old = ReferenceResetPolicy(kl_spike_factor=3.0, kl_window=2).state_dict()
+    del old["kl_max"]  # what a checkpoint written before kl_max holds
+    resumed = ReferenceResetPolicy(kl_max=0.5)
+    resumed.load_state_dict(old)
+    assert resumed.kl_max == 0.0 and resumed.update(1, kl=9.0) is None  # as that run was trained
+
+
 def test_disabled_triggers_never_fire():
-    off = ReferenceResetPolicy(interval=0, kl_spike_factor=-1, kl_window=3, val_patience=None)
+    off = ReferenceResetPolicy(interval=0, kl_spike_factor=-1, kl_window=3, val_patience=None, kl_max=-1)
     for p in (ReferenceResetPolicy(), off):
         for step in range(1, 50):
             assert p.update(step, kl=float(step**3), val_score=-float(step)) is None
@@ -85,7 +116,7 @@ def test_state_dict_roundtrip_continues_identically():
     # kl 1.0 except a spike at step 5; validation every 2 steps, scores falling after step 6
     val = {2: 0.5, 4: 0.4, 6: 0.4, 8: 0.3, 10: 0.3, 12: 0.9, 14: 0.8}
     steps = [(s, 10.0 if s == 5 else 1.0, val.get(s)) for s in range(1, 18)]
-    kw = dict(interval=6, kl_spike_factor=3.0, kl_window=3, val_patience=2)
+    kw = dict(interval=6, kl_spike_factor=3.0, kl_window=3, val_patience=2, kl_max=50.0)
     reference = ReferenceResetPolicy(**kw)
     expected = run(reference, steps)
     fired = {s: c for (s, _, _), c in zip(steps, expected) if c}
