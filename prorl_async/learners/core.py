@@ -170,6 +170,7 @@ class LearnerCore:
     def __init__(self, cfg: Config, ops: LearnerOps):
         self.cfg, self.ops = cfg, ops
         self._ledger_inputs: Optional[tuple] = None  # the last step's table, tensors and step, for ledger_rows
+        self.batch_kl: Optional[float] = None  # the last step's KL token mean over every rank (train_step)
 
     def ledger_rows(self) -> Optional[pa.Table]:
         """The last step's rows for the ledger (:func:`prorl_async.ledger.step_rows`); None with
@@ -256,7 +257,7 @@ class LearnerCore:
             o.lr_sched.step()
         o.version += 1
         # the reset policy counts policy versions: the reference is version 0, this update makes step + 1
-        cause = o.ref_policy.update(step + 1, kl=metrics.get("kl/loss_term"))
+        cause = o.ref_policy.update(step + 1, kl=self.batch_kl)
         if cause:
             o.reset_reference(cause)
         metrics.update(shape_metrics)
@@ -329,8 +330,17 @@ class LearnerCore:
                 updates += 1
                 grad_norms.append(float(grad_norm))
 
-        tokens = max(sum(agg.pop("_tokens", [0.0])), 1.0)  # valid tokens seen, over epochs
-        metrics = {k: sum(v) / tokens for k, v in agg.items()}  # token means
+        seen_tokens = sum(agg.pop("_tokens", [0.0]))  # valid tokens seen, over epochs
+        tokens = max(seen_tokens, 1.0)
+        metrics = {k: sum(v) / tokens for k, v in agg.items()}  # token means (this rank's)
+        # what the reference-reset policy judges: the whole batch's KL token mean, alike on every rank
+        # (a rank's own mean differs with its shard; a KL-spike reset decided on it would reset that
+        # rank's reference and optimizer state and not the others', and the ranks' weights would part)
+        self.batch_kl = None
+        if a.kl_coef > 0:
+            kl_sum, kl_tokens = o.reduce(torch.tensor([sum(agg.get("kl/loss_term", [0.0])), seen_tokens],
+                                                      dtype=torch.float64), "sum").tolist()
+            self.batch_kl = kl_sum / kl_tokens if kl_tokens > 0 else None
         metrics.update({
             "actor/grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
             "actor/skipped_updates": float(o.skipped_total),

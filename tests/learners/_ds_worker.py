@@ -2,9 +2,11 @@
 
 ``python _ds_worker.py SPEC.json`` where the spec names: ``world`` (ranks), ``model``, ``device``
 (cpu / cuda), ``zero`` (stage), ``steps`` (batch seeds to train on, in order), ``load`` / ``save``
-(a checkpoint directory to resume from / write after the steps), ``out`` (directory for results).
-Each rank trains on :func:`shard_groups` of every batch and writes ``result-rank<r>.pt`` with the
-metrics of every step (rank 0 also the full weights after the last one).
+(a checkpoint directory to resume from / write after the steps), ``out`` (directory for results),
+optionally ``overrides`` (config overrides added last). Each rank trains on :func:`shard_groups` of
+every batch and writes ``result-rank<r>.pt`` with the metrics of every step, the KL the reset policy
+judged at each (``batch_kl``) and the policy's reset counts (rank 0 also the full weights after the
+last step).
 """
 
 import json
@@ -33,7 +35,7 @@ def config(spec: dict):
         f"model.path={spec['model']}", "train.prompts_per_step=6", "rollout.n=4", "train.micro_batch_size=4",
         "train.lr=1e-3", "algo.kl_coef=0.001", "model.autocast_bf16=false", "train.learner=deepspeed",
         f"train.zero_stage={spec['zero']}", "train.mini_batches=1", f"train.num_learners={spec['world']}",
-        "train.warmup_lr_steps=2"])
+        "train.warmup_lr_steps=2", *spec.get("overrides", [])])
 
 
 def run(rank: int, spec: dict, port: int) -> None:
@@ -48,14 +50,16 @@ def run(rank: int, spec: dict, port: int) -> None:
                                master_port=port)
     if spec.get("load"):
         learner.load_state(spec["load"])
-    metrics = []
+    metrics, batch_kl = [], []
     for seed in spec["steps"]:
         step = learner.version
         metrics.append(learner.train_step(shard_groups(batch(seed), rank, spec["world"]), step))
+        batch_kl.append(learner.core.batch_kl)
     if spec.get("save"):
         learner.save_state(spec["save"])
     weights = {n: t.detach().cpu().clone() for n, t in learner.named_tensors()}  # collective under ZeRO-3
     torch.save({"metrics": metrics, "weights": weights if rank == 0 else None, "version": learner.version,
+                "batch_kl": batch_kl, "resets": learner.ref_policy.metrics(),
                 "ref_device": str(next(learner.ref.parameters()).device)},
                os.path.join(spec["out"], f"result-rank{rank}.pt"))
     # Leave the world before the interpreter ends: gloo's worker threads still holding work at

@@ -86,6 +86,24 @@ def test_two_ranks_match_one_rank_over_three_steps(tiny_model, tmp_path, zero, d
 
 
 @pytest.mark.distributed
+def test_two_ranks_reset_their_references_together_on_the_whole_batchs_kl(tiny_model, tmp_path, ext_dir):
+    """A KL reset is decided on the whole batch's KL, the same on every rank: with a level between
+    the two ranks' own KL means, deciding on them would reset one rank's reference and optimizer only."""
+    common = {"model": tiny_model, "device": "cpu", "zero": 2, "world": 2, "steps": [1, 2]}
+    free = _run(tmp_path, ext_dir, "free", **common)
+    own = [r["metrics"][1]["kl/loss_term"] for r in free]  # step 2: the first with KL (step 1 trains from the reference)
+    assert own[0] != own[1] and min(own) > 0
+    for r in free:  # the judged KL: the token mean of the whole batch, alike on both ranks
+        assert r["batch_kl"][1] == pytest.approx(_global(free, 1, "kl/loss_term"), rel=1e-9)
+    assert free[0]["batch_kl"] == free[1]["batch_kl"]
+    level = sum(own) / 2
+    capped = _run(tmp_path, ext_dir, "capped", overrides=[f"algo.ref_kl_max={level}"], **common)
+    fired = capped[0]["batch_kl"][1] > level
+    assert [r["resets"]["ref/resets_kl_spike"] for r in capped] == [float(fired)] * 2
+    assert [r["metrics"][1].get("ref/reset_kl_spike", 0.0) for r in capped] == [float(fired)] * 2
+
+
+@pytest.mark.distributed
 def test_two_rank_stop_and_resume_continues_exactly(tiny_model, tmp_path, ext_dir):
     common = {"model": tiny_model, "device": "cpu", "zero": 2, "world": 2}
     straight = _run(tmp_path, ext_dir, "straight", steps=[1, 2, 3], **common)
