@@ -203,6 +203,7 @@ class CurriculumConfig:
     window: int = _f(32, "groups a pool's moving signal and pass rate average over")
     min_active: int = _f(1, "a floor: at least this many pools stay active (the held pools with the most signal are admitted to keep it)")
     signal_by: str = _f("reward", "a group's signal: 'reward' (its rewards differ, what dynamic sampling keeps) or 'solved' (some samples fully correct, some not; partial credit alone does not count)")
+    shares: str = _f("equal", "how the active pools share the prompts: 'equal' (in turn, whatever their size) or 'signal' (in proportion to each pool's signal, at least min_signal/2: prompts go where groups have a gradient)")
     pinned: list = _f([], "pools (a list, or comma-separated names, e.g. rg:chain_sum@frontier) active from step 1 and never held back, whatever their signal: a pool the base model cannot yet solve trains from the start without lowering min_signal for every pool")
 
 

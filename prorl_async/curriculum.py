@@ -34,14 +34,23 @@ pools do this per problem; here it is per pool, which needs no per-prompt histor
   a level the base model cannot yet solve trains from the start, for its equal share of the
   prompts, without lowering ``min_signal`` for every pool (which keeps the weak pools in the
   batches too; measured: a worse run). It still counts toward the floor.
-* Prompts come round-robin from the active pools (each pool an equal share, whatever its size);
+* Prompts come from the active pools in turn: each pool an equal share, whatever its size
+  (``shares="equal"``), or a share in proportion to its signal (``shares="signal"``, at least
+  half of ``min_signal``, so a pinned or floor-kept pool is still drawn): under equal shares the
+  groups dynamic sampling keeps already come from a pool in proportion to its signal, and the
+  rest of a low-signal pool's share is generated only to be dropped; by signal, the prompts go
+  where the learning is (a pool whose samples split right and wrong half the time draws about
+  four times the prompts of one at an eighth), and fewer groups are generated per kept group.
+  The turn is a smooth weighted round-robin (every pick adds each active pool's weight to its
+  credit, takes the pool with the most credit and charges it the total), deterministic from the
+  checkpointed credits, so the shares hold over every short stretch and not only on average;
   ``probe_frac`` of them (at least one per request of two or more prompts while any pool is held)
   come from the held pools in turn, so their averages keep moving and a held pool whose signal
   reaches ``min_signal`` is **re-admitted**.
 
 Every pool walks its own rows as :class:`~prorl_async.data.source.PromptSource` does (a seeded
 shuffle per epoch); :meth:`Curriculum.state_dict` holds the pools' cursors, averages, statuses and
-the round-robin positions, so a resumed run draws exactly the prompts an uninterrupted run draws.
+the round-robin positions and credits, so a resumed run draws exactly the prompts an uninterrupted run draws.
 """
 
 from __future__ import annotations
@@ -59,6 +68,7 @@ ACTIVE, HELD = "active", "held"
 # why a pool without signal is held, by its pass rate (the console's words; the decision is the signal's)
 TOO_HARD_BELOW, SOLVED_ABOVE = 0.25, 0.75
 SIGNAL_BY = ("reward", "solved")
+SHARES = ("equal", "signal")
 
 
 class NoSignal(RuntimeError):
@@ -90,7 +100,8 @@ class Curriculum:
     """The pools of a run's training rows and the rule that feeds requests from them."""
 
     def __init__(self, rows: list[dict], seed: int, min_signal: float, probe_frac: float, window: int,
-                 min_active: int = 1, signal_by: str = "reward", pinned: tuple[str, ...] = ()):
+                 min_active: int = 1, signal_by: str = "reward", pinned: tuple[str, ...] = (),
+                 shares: str = "equal"):
         if not rows:
             raise ValueError("the training dataset is empty; check data.train")
         by_domain: dict[str, list[dict]] = {}
@@ -102,6 +113,9 @@ class Curriculum:
         if signal_by not in SIGNAL_BY:
             raise ValueError(f"curriculum.signal_by: {signal_by!r} is not one of {list(SIGNAL_BY)}")
         self.min_active, self.signal_by = max(1, int(min_active)), signal_by
+        if shares not in SHARES:
+            raise ValueError(f"curriculum.shares: {shares!r} is not one of {list(SHARES)}")
+        self.shares = shares
         unknown = sorted(set(pinned) - set(self.pools))
         if unknown:
             raise ValueError(f"curriculum.pinned: {', '.join(unknown)} is not a pool of data.train; its pools are "
@@ -109,6 +123,7 @@ class Curriculum:
         self.pinned = frozenset(pinned)
         self.seed = seed
         self.turn = {ACTIVE: 0, HELD: 0}  # round-robin positions
+        self.credit: dict[str, float] = {}  # the active pools' credits (shares="signal")
         self.probe_debt = 0.0             # probes owed (fractional) to the held pools
         self.consumed = 0
         self.step = 0                     # the learner version the last observation was made at
@@ -117,9 +132,20 @@ class Curriculum:
     def names(self, status: str) -> list[str]:
         return [n for n, p in self.pools.items() if p.status == status]
 
+    def weight(self, name: str) -> float:
+        """An active pool's weight in the turn: 1 (``shares="equal"``) or its signal, at least half of ``min_signal``."""
+        return 1.0 if self.shares == "equal" else max(self.pools[name].signal, self.min_signal / 2)
+
     def _next_from(self, status: str) -> dict:
         names = self.names(status)
-        name = names[self.turn[status] % len(names)]
+        if status == ACTIVE and self.shares == "signal":
+            weights = [self.weight(n) for n in names]
+            for n, w in zip(names, weights):
+                self.credit[n] = self.credit.get(n, 0.0) + w
+            name = max(names, key=lambda n: self.credit[n])  # the first of equal credits
+            self.credit[name] -= sum(weights)
+        else:
+            name = names[self.turn[status] % len(names)]
         self.turn[status] += 1
         return self.pools[name].source.next(1)[0]
 
@@ -197,9 +223,9 @@ class Curriculum:
         return [self._set(self.pools[n], ACTIVE, step, f"admitted to keep {self.min_active} pools active")
                 for n in held[:missing]]
 
-    @staticmethod
-    def _set(pool: Pool, new: str, step: int, verb: str) -> str:
+    def _set(self, pool: Pool, new: str, step: int, verb: str) -> str:
         pool.status = new
+        self.credit.pop(pool.name, None)  # a pool (re-)entering the turn starts level
         pool.changes.append((step, new, round(pool.signal, 4)))
         return (f"curriculum: {pool.name} {verb} at step {step}: signal {pool.signal:.2f}, "
                 f"pass rate {pool.pass_rate:.2f} over {pool.groups} groups")
@@ -232,16 +258,26 @@ class Curriculum:
     # ------------------------------------------------------------------ reporting
     def table(self, title: str) -> str:
         rows = [f"{title}: {len(self.names(ACTIVE))} of {len(self.pools)} pools active",
-                f"{'pool':<34}{'groups':>8}{'reward':>9}{'signal':>9}  status"]
+                f"{'pool':<34}{'groups':>8}{'reward':>9}{'signal':>9}{'share':>8}  status"]
+        shares = self.shares_now()
         for name, p in self.pools.items():
             status = (p.status if p.status == ACTIVE else f"held ({self.why_held(p)})") + (" (pinned)" if name in self.pinned else "")
-            rows.append(f"{name:<34}{p.groups:>8}{p.pass_rate:>9.3f}{p.signal:>9.3f}  {status}")
+            rows.append(f"{name:<34}{p.groups:>8}{p.pass_rate:>9.3f}{p.signal:>9.3f}{shares[name]:>8.3f}  {status}")
         return "\n".join(rows)
+
+    def shares_now(self) -> dict[str, float]:
+        """Every pool's share of the active pools' prompts at the current weights (0 for a held pool;
+        the probes of the held pools come on top)."""
+        active = self.names(ACTIVE)
+        total = sum(self.weight(n) for n in active)
+        return {n: (self.weight(n) / total if n in active else 0.0) for n in self.pools}
 
     def metrics(self) -> dict[str, float]:
         out = {"curriculum/active_pools": float(len(self.names(ACTIVE))),
                "curriculum/held_pools": float(len(self.names(HELD)))}
+        shares = self.shares_now()
         for name, p in self.pools.items():
+            out[f"curriculum/share/{name}"] = shares[name]
             out[f"curriculum/signal/{name}"] = p.signal
             out[f"curriculum/pass_rate/{name}"] = p.pass_rate
             out[f"curriculum/active/{name}"] = float(p.status == ACTIVE)
@@ -250,7 +286,7 @@ class Curriculum:
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
         return {"kind": "curriculum", "consumed": self.consumed, "turn": dict(self.turn),
-                "probe_debt": self.probe_debt, "step": self.step,
+                "probe_debt": self.probe_debt, "step": self.step, "credit": dict(self.credit),
                 "pools": {n: {"source": p.source.state_dict(), "status": p.status, "signal": p.signal,
                               "pass_rate": p.pass_rate, "groups": p.groups, "changes": [list(c) for c in p.changes]}
                           for n, p in self.pools.items()}}
@@ -260,6 +296,7 @@ class Curriculum:
             raise ValueError(f"the checkpoint's prompt source (pools {sorted(s.get('pools', {}))}) does not match "
                              f"this run's curriculum pools {sorted(self.pools)}; resume with the run's own data config")
         self.consumed, self.turn, self.probe_debt, self.step = s["consumed"], dict(s["turn"]), s["probe_debt"], s["step"]
+        self.credit = dict(s.get("credit", {}))  # a checkpoint from before shares="signal" has none (equal shares)
         for n, d in s["pools"].items():
             p = self.pools[n]
             p.source.load_state_dict(d["source"])
@@ -274,4 +311,4 @@ def prompt_source(cfg: Config, rows: list[dict]) -> PromptSource | Curriculum:
         return PromptSource(rows, seed=cfg.data.shuffle_seed)
     return Curriculum(rows, seed=cfg.data.shuffle_seed, min_signal=c.min_signal, probe_frac=c.probe_frac, window=c.window,
                       min_active=c.min_active, signal_by=c.signal_by,
-                      pinned=tuple(c.pinned))
+                      pinned=tuple(c.pinned), shares=c.shares)

@@ -216,3 +216,58 @@ def test_pinning_alone_does_not_pass_a_mix_without_signal_and_a_wrong_name_lists
     with pytest.raises(ValueError) as err:
         Curriculum(rows("easy", 20) + rows("hard", 30), pinned=("hrad",), **kw)
     assert str(err.value) == "curriculum.pinned: hrad is not a pool of data.train; its pools are easy, hard"
+
+
+def signal_mix(shares: str) -> Curriculum:
+    # a: half its groups split right and wrong; b: a fifth; c: pinned, no signal yet (weight min_signal/2)
+    c = Curriculum(rows("a", 40) + rows("b", 40) + rows("c", 40), seed=0, min_signal=0.1, probe_frac=0.0, window=8,
+                   pinned=("c",), shares=shares)
+    c.preflight({"a": [10, 6, 20.0, 80], "b": [10, 2, 8.0, 80], "c": [10, 0, 0.0, 80]})
+    return c
+
+
+def test_signal_shares_draw_the_active_pools_in_proportion_to_their_signal_over_every_stretch():
+    equal, by_signal = signal_mix("equal"), signal_mix("signal")
+    assert Counter(r["domain"] for r in equal.next(85)) == {"a": 29, "b": 28, "c": 28}  # the turn, as before
+    drawn = [r["domain"] for r in by_signal.next(85)]  # weights 0.6, 0.2 and 0.05 (pinned, half of min_signal)
+    assert Counter(drawn) == {"a": 60, "b": 20, "c": 5}
+    for k in range(0, 85, 17):  # not only on average: every stretch of 17 holds the shares within one prompt
+        part = Counter(drawn[k:k + 17])
+        assert abs(part["a"] - 12) <= 1 and abs(part["b"] - 4) <= 1 and abs(part["c"] - 1) <= 1, (k, part)
+    assert by_signal.shares_now() == pytest.approx({"a": 0.6 / 0.85, "b": 0.2 / 0.85, "c": 0.05 / 0.85})
+    assert equal.shares_now() == pytest.approx({"a": 1 / 3, "b": 1 / 3, "c": 1 / 3})
+    table = {ln.split()[0]: ln.split() for ln in by_signal.table("now").splitlines()[2:]}
+    assert table["a"][1:5] == ["10", "0.250", "0.600", "0.706"] and table["c"][4] == "0.059"
+    m = by_signal.metrics()
+    assert m["curriculum/share/a"] == pytest.approx(0.6 / 0.85) and m["curriculum/share/c"] == pytest.approx(0.05 / 0.85)
+
+
+def test_signal_shares_follow_the_signal_as_it_moves_and_skip_held_pools():
+    c = signal_mix("signal")
+    c.next(40)
+    c.observe({"a": [64, 0, 512.0, 512], "b": [64, 48, 200.0, 512]}, step=3)  # a solved, b opening up
+    assert c.pools["a"].status == HELD and c.pools["b"].signal > 0.7
+    assert "a" not in c.credit  # a held pool leaves the turn; it starts level if re-admitted
+    drawn = Counter(r["domain"] for r in c.next(60))
+    w_b = c.pools["b"].signal
+    assert drawn["a"] == 0 and abs(drawn["b"] - 60 * w_b / (w_b + 0.05)) <= 1 and drawn["c"] >= 2
+    with pytest.raises(ValueError, match=r"curriculum.shares: 'size' is not one of \['equal', 'signal'\]"):
+        Curriculum(rows("x", 2), seed=0, min_signal=0.1, probe_frac=0.0, window=8, shares="size")
+
+
+def test_a_resumed_signal_share_curriculum_draws_what_an_uninterrupted_one_draws():
+    a = signal_mix("signal")
+    a.next(7)  # part-way through the turn: the credits are uneven
+    state = json.loads(json.dumps(a.state_dict()))
+    assert state["credit"] and any(v != 0 for v in state["credit"].values())
+    b = signal_mix("signal")
+    b.load_state_dict(state)
+    fresh = signal_mix("signal")
+    fresh.load_state_dict({**state, "credit": {}})  # a checkpoint without the credits
+    seqs = {"a": [], "b": [], "fresh": []}
+    for step in range(3, 10):
+        for name, cur in (("a", a), ("b", b), ("fresh", fresh)):
+            seqs[name] += [r["id"] for r in cur.next(6)]
+            cur.observe({"a": [2, step % 2, 3.0, 16], "b": [2, 1, 4.0, 16]}, step)
+    assert seqs["a"] == seqs["b"] and a.state_dict() == b.state_dict()
+    assert seqs["fresh"] != seqs["a"]  # what the checkpointed credits are for

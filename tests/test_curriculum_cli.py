@@ -47,19 +47,20 @@ def warm_model(model_cache):
     return build_tiny_arith(ModelConfig(cache_dir=model_cache, warmup_steps=WARMUP), seed=0, log=lambda *_: None)
 
 
-def pool_table(text: str, title: str) -> dict[str, tuple[int, float, float, str]]:
-    """``{pool: (groups, mean reward, signal, status)}`` of the table printed under ``title``."""
+def pool_table(text: str, title: str) -> dict[str, tuple[int, float, float, str, float]]:
+    """``{pool: (groups, mean reward, signal, status, share of the active prompts)}`` of the table printed under ``title``."""
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(f"{title}: "))
     header = lines[start + 1].split()  # reward: the mean reward (pass@1 for 0/1 rewards)
-    assert header[:2] == ["pool", "groups"] and header[2] == "reward" and header[3:] == ["signal", "status"], \
+    assert header[:2] == ["pool", "groups"] and header[2] == "reward" and header[3:] == ["signal", "share", "status"], \
         lines[start:start + 2]
     out = {}
     for line in lines[start + 2:]:
-        m = re.match(r"^(\S+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+(active|held \((?:too hard|settled|solved)\))$", line)
+        m = re.match(r"^(\S+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(active|held \((?:too hard|settled|solved)\))$",
+                     line)
         if not m:
             break
-        out[m[1]] = (int(m[2]), float(m[3]), float(m[4]), m[5])
+        out[m[1]] = (int(m[2]), float(m[3]), float(m[4]), m[6], float(m[5]))
     return out
 
 
@@ -104,6 +105,7 @@ def test_a_mix_holds_back_pools_without_signal_and_trains_the_rest(tmp_path, war
     pre = pool_table(out, "preflight")
     assert set(pre) == {"arithmetic", RG_POOL}, out[-3000:]
     assert pre["arithmetic"][3] == "active" and pre[RG_POOL][3] == "held (too hard)", pre
+    assert pre["arithmetic"][4] == 1.0 and pre[RG_POOL][4] == 0.0  # the active pool's share of the prompts
     assert "preflight: 1 of 2 pools active" in out
     assert pre[RG_POOL][0] == 8 and pre[RG_POOL][1] == 0.0  # curriculum.preflight_prompts groups, none right
     end = pool_table(out, "curriculum at the end")
