@@ -72,4 +72,14 @@ if __name__ == "__main__":
     from prorl_async.weight_sync import free_port
 
     spec = json.load(open(sys.argv[1]))
-    mp.spawn(run, args=(spec, free_port()), nprocs=spec["world"])
+    # free_port's window: another process (a test on the other xdist worker) may bind the port before
+    # rank 0's store listens on it; rank 0 then fails at the rendezvous (EADDRINUSE, as a fresh-clone
+    # CI run did once), before anything is trained or written, so the world is spawned again on another port
+    for attempt in range(3):
+        try:
+            mp.spawn(run, args=(spec, free_port()), nprocs=spec["world"])
+            break
+        except mp.ProcessRaisedException as e:
+            if "EADDRINUSE" not in str(e) or attempt == 2:
+                raise
+            print(f"rendezvous port taken (attempt {attempt + 1}); spawning the world again", file=sys.stderr)
